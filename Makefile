@@ -1,0 +1,36 @@
+# sglang-l3 — every README command. `make test` and `make demo` set up .venv themselves.
+PY_BOOT ?= python3
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(VENV)/bin/pip
+STAMP   := $(VENV)/.sglang-l3-installed
+SUITE   ?= cpu
+
+.PHONY: install test test-upstream demo bench doctor clean-store
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/cpu.txt
+	test -x $(PY) || $(PY_BOOT) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
+	$(PIP) install -q --no-deps sglang==0.5.23
+	$(PIP) install -q -r requirements/cpu.txt
+	$(PIP) install -q --no-deps -e .
+	$(PY) -c "import sglang_l3.plugin, sglang.srt.mem_cache.unified_radix_cache"
+	touch $(STAMP)
+
+test: install
+	$(PY) test/run_suite.py --suite $(SUITE)
+
+test-upstream: install
+	$(PY) test/run_suite.py --suite upstream
+
+demo: install
+	$(PY) -m sglang_l3.demo --store ./l3-store
+
+bench: install
+	$(PY) benchmark/storage_bench.py
+
+doctor: install
+	$(VENV)/bin/sglang-l3 doctor

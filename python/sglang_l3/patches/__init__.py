@@ -1,0 +1,18 @@
+"""One module per upstream change; `series.toml` (repo `patches/`) is the index.
+
+A patch module defines `apply(ctx: PatchContext)` and, optionally,
+`applicable() -> str | None` (a reason when the patch does not apply here).
+"""
+
+from sglang_l3.patches.framework import (  # noqa: F401
+    PatchContext,
+    PatchError,
+    State,
+    apply_all,
+    apply_one,
+    get_status,
+    is_applied,
+    load_series,
+    status,
+    undo,
+)

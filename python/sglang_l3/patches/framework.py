@@ -1,0 +1,410 @@
+"""The patch queue: load `series.toml`, verify targets, apply, record state.
+
+Upstream's HookRegistry only *logs* a target it cannot resolve, so a typo or an
+upstream rename silently does nothing. Here every target is resolved and
+fingerprinted before anything is installed; a missing target is an error that
+names the patch and the target, a drifted one is refused unless
+SGLANG_L3_ALLOW_DRIFT=1. Every hook records whether it fired, so `doctor`
+reports the real state.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import importlib
+import inspect
+import logging
+import os
+import pkgutil
+import sys
+import textwrap
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+logger = logging.getLogger("sglang_l3.patches")
+
+SERIES_PATH = Path(__file__).with_name("series.toml")
+KINDS = ("BEFORE", "AFTER", "AROUND", "REPLACE", "REGISTRY")
+
+
+class PatchError(RuntimeError):
+    """A patch could not be verified or applied. Always names patch and target."""
+
+
+class State(str, enum.Enum):
+    APPLIED = "applied"
+    DISABLED = "disabled"
+    DRIFTED = "drifted"
+    NOT_APPLICABLE = "not applicable"
+    FAILED = "failed"
+    PENDING = "pending"
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    path: str  # "package.module:Qual.name" (pkgutil.resolve_name syntax)
+    fingerprint: str  # "sha256:<16 hex>" of the target's source in the pinned upstream
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    id: str
+    module: str
+    kind: str
+    why: str
+    upstream: tuple[str, ...]
+    retire_when: str
+    targets: tuple[TargetSpec, ...]
+    group: str = "all"
+
+
+@dataclass
+class PatchStatus:
+    spec: PatchSpec
+    state: State = State.PENDING
+    detail: str = ""
+    drift: dict[str, tuple[str, str]] = field(default_factory=dict)  # path -> (expected, actual)
+    fired: dict[str, int] = field(default_factory=dict)  # hook name -> times it ran
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.spec.id,
+            "kind": self.spec.kind,
+            "state": self.state.value,
+            "detail": self.detail,
+            "targets": [t.path for t in self.spec.targets],
+            "drift": {k: {"expected": e, "actual": a} for k, (e, a) in self.drift.items()},
+            "fired": dict(self.fired),
+            "upstream": list(self.spec.upstream),
+            "retire_when": self.spec.retire_when,
+        }
+
+
+# --------------------------------------------------------------------------- #
+# series.toml
+# --------------------------------------------------------------------------- #
+def load_series(path: Path = SERIES_PATH) -> list[PatchSpec]:
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    specs: list[PatchSpec] = []
+    seen: set[str] = set()
+    for entry in data.get("patch", []):
+        pid = entry["id"]
+        if pid in seen:
+            raise PatchError(f"series.toml: patch id {pid!r} appears twice")
+        seen.add(pid)
+        kind = entry["kind"].upper()
+        if kind not in KINDS:
+            raise PatchError(f"series.toml: patch {pid!r} has unknown kind {kind!r}")
+        for key in ("why", "retire_when", "module"):
+            if not entry.get(key):
+                raise PatchError(f"series.toml: patch {pid!r} lacks {key!r}")
+        targets = tuple(
+            TargetSpec(t["path"], t["fingerprint"]) for t in entry.get("target", [])
+        )
+        if not targets:
+            raise PatchError(f"series.toml: patch {pid!r} names no target")
+        specs.append(
+            PatchSpec(
+                id=pid,
+                module=entry["module"],
+                kind=kind,
+                why=entry["why"].strip(),
+                upstream=tuple(entry.get("upstream", [])),
+                retire_when=entry["retire_when"].strip(),
+                targets=targets,
+                group=entry.get("group", "all"),
+            )
+        )
+    return specs
+
+
+# --------------------------------------------------------------------------- #
+# Target resolution and fingerprints
+# --------------------------------------------------------------------------- #
+def resolve(path: str) -> Any:
+    """Resolve "pkg.mod:Qual.name"; raises PatchError naming the path."""
+    try:
+        return pkgutil.resolve_name(path)
+    except Exception as e:  # ImportError, AttributeError, ValueError
+        raise PatchError(f"target {path!r} not found: {type(e).__name__}: {e}") from e
+
+
+def _split_owner(path: str) -> tuple[Any, str]:
+    mod, _, qual = path.partition(":")
+    if not qual:
+        mod, _, attr = path.rpartition(".")
+        return importlib.import_module(mod), attr
+    owner_path, _, attr = qual.rpartition(".")
+    owner = importlib.import_module(mod)
+    for part in filter(None, owner_path.split(".")):
+        owner = getattr(owner, part)
+    return owner, attr
+
+
+def _original(owner: Any, attr: str) -> Any:
+    """The raw attribute (unwrapping our own hooks, keeping static/classmethod)."""
+    raw = inspect.getattr_static(owner, attr)
+    while getattr(_unwrap_descriptor(raw), "__sglang_l3_original__", None) is not None:
+        raw = _unwrap_descriptor(raw).__sglang_l3_original__
+    return raw
+
+
+def _unwrap_descriptor(raw: Any) -> Any:
+    return raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+
+
+def fingerprint_of(obj: Any) -> str:
+    """sha256 of a target's source (functions, classes) or of its value (data)."""
+    fn = _unwrap_descriptor(obj)
+    fn = getattr(fn, "__sglang_l3_original__", fn)
+    try:
+        text = textwrap.dedent(inspect.getsource(fn))
+    except (TypeError, OSError):
+        if isinstance(fn, dict):
+            text = repr(sorted(map(str, fn.keys())))
+        elif isinstance(fn, (list, tuple, set, frozenset)):
+            text = repr(sorted(map(str, fn)))
+        else:
+            text = repr(fn)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fingerprint_path(path: str) -> str:
+    owner, attr = _split_owner(path)
+    if isinstance(owner, type) or inspect.ismodule(owner):
+        try:
+            return fingerprint_of(_original(owner, attr))
+        except AttributeError as e:
+            raise PatchError(f"target {path!r} not found: {e}") from e
+    return fingerprint_of(resolve(path))
+
+
+# --------------------------------------------------------------------------- #
+# Hook installation (with undo, for tests' negative controls)
+# --------------------------------------------------------------------------- #
+@dataclass
+class _Installed:
+    owner: Any
+    attr: str
+    previous: Any
+
+
+class PatchContext:
+    """Handed to a patch module's `apply(ctx)`; only its declared targets are hookable."""
+
+    def __init__(self, status: PatchStatus):
+        self.status = status
+        self._installed: list[_Installed] = []
+        self._allowed = {t.path for t in status.spec.targets}
+
+    @property
+    def id(self) -> str:
+        return self.status.spec.id
+
+    def fired(self, name: str) -> None:
+        """Record that a hook ran (doctor shows counts per process)."""
+        with _LOCK:
+            self.status.fired[name] = self.status.fired.get(name, 0) + 1
+
+    def _check_target(self, path: str) -> tuple[Any, str, Any]:
+        if path not in self._allowed:
+            raise PatchError(
+                f"patch {self.id!r} hooks {path!r}, which series.toml does not declare"
+            )
+        owner, attr = _split_owner(path)
+        raw = inspect.getattr_static(owner, attr)
+        return owner, attr, raw
+
+    def _install(self, path: str, make: Callable[[Callable], Callable]) -> None:
+        owner, attr, raw = self._check_target(path)
+        fn = _unwrap_descriptor(raw)
+        wrapper = make(fn)
+        functools.update_wrapper(wrapper, fn)
+        wrapper.__sglang_l3_original__ = raw  # type: ignore[attr-defined]
+        wrapper.__sglang_l3_patch__ = self.id  # type: ignore[attr-defined]
+        if isinstance(raw, staticmethod):
+            new: Any = staticmethod(wrapper)
+        elif isinstance(raw, classmethod):
+            new = classmethod(wrapper)
+        else:
+            new = wrapper
+        setattr(owner, attr, new)
+        self._installed.append(_Installed(owner, attr, raw))
+
+    def around(self, path: str, hook: Callable[..., Any]) -> None:
+        """hook(original, *args, **kwargs) -> result."""
+        name = path.rsplit(".", 1)[-1]
+
+        def make(fn: Callable) -> Callable:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                self.fired(name)
+                return hook(fn, *args, **kwargs)
+
+            return wrapper
+
+        self._install(path, make)
+
+    def after(self, path: str, hook: Callable[..., Any]) -> None:
+        """hook(result, *args, **kwargs) -> new result (None keeps the result)."""
+
+        def wrapped(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            new = hook(result, *args, **kwargs)
+            return result if new is None else new
+
+        self.around(path, wrapped)
+
+    def before(self, path: str, hook: Callable[..., Any]) -> None:
+        """hook(*args, **kwargs) -> None or (args, kwargs)."""
+
+        def wrapped(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+            changed = hook(*args, **kwargs)
+            if changed is not None:
+                args, kwargs = changed
+            return fn(*args, **kwargs)
+
+        self.around(path, wrapped)
+
+    def replace(self, path: str, new: Any) -> None:
+        owner, attr, raw = self._check_target(path)
+        if callable(new) and not isinstance(new, type):
+
+            def make(_fn: Callable) -> Callable:
+                def wrapper(*args: Any, **kwargs: Any) -> Any:
+                    self.fired(attr)
+                    return new(*args, **kwargs)
+
+                return wrapper
+
+            self._install(path, make)
+        else:
+            setattr(owner, attr, new)
+            self._installed.append(_Installed(owner, attr, raw))
+
+    def on_undo(self, fn: Callable[[], None]) -> None:
+        """Register an undo action for in-place edits (e.g. a registry dict)."""
+        self._installed.append(_Installed(None, "", fn))
+
+    def undo(self) -> None:
+        for inst in reversed(self._installed):
+            if inst.owner is None:
+                inst.previous()
+            else:
+                setattr(inst.owner, inst.attr, inst.previous)
+        self._installed.clear()
+
+
+# --------------------------------------------------------------------------- #
+# The queue
+# --------------------------------------------------------------------------- #
+_LOCK = threading.RLock()
+_STATUS: dict[str, PatchStatus] = {}
+_CONTEXTS: dict[str, PatchContext] = {}
+
+
+def disabled_ids() -> set[str]:
+    return {x.strip() for x in os.environ.get("SGLANG_L3_DISABLE", "").split(",") if x.strip()}
+
+
+def allow_drift() -> bool:
+    return os.environ.get("SGLANG_L3_ALLOW_DRIFT", "0").lower() in ("1", "true", "yes")
+
+
+def check_spec(spec: PatchSpec) -> dict[str, tuple[str, str]]:
+    """Resolve every target; return the drifted ones. Missing → PatchError."""
+    drift: dict[str, tuple[str, str]] = {}
+    for t in spec.targets:
+        try:
+            actual = fingerprint_path(t.path)
+        except PatchError as e:
+            raise PatchError(f"patch {spec.id!r}: {e}") from e
+        if actual != t.fingerprint:
+            drift[t.path] = (t.fingerprint, actual)
+    return drift
+
+
+def apply_one(spec: PatchSpec) -> PatchStatus:
+    """Verify and apply one patch. Idempotent per process."""
+    with _LOCK:
+        status = _STATUS.get(spec.id)
+        if status is not None and status.state == State.APPLIED:
+            return status
+        status = PatchStatus(spec)
+        _STATUS[spec.id] = status
+        if spec.id in disabled_ids():
+            status.state, status.detail = State.DISABLED, "SGLANG_L3_DISABLE"
+            return status
+        module = importlib.import_module(spec.module)
+        reason = module.applicable() if hasattr(module, "applicable") else None
+        if reason:
+            status.state, status.detail = State.NOT_APPLICABLE, reason
+            return status
+        drift = check_spec(spec)  # raises PatchError on a missing target
+        status.drift = drift
+        if drift and not allow_drift():
+            status.state = State.DRIFTED
+            status.detail = "; ".join(
+                f"{p}: expected {e}, found {a}" for p, (e, a) in drift.items()
+            )
+            raise PatchError(
+                f"patch {spec.id!r} refused: upstream drifted ({status.detail}). "
+                "Re-verify the patch against this upstream and update series.toml, "
+                "or set SGLANG_L3_ALLOW_DRIFT=1 to apply anyway."
+            )
+        ctx = PatchContext(status)
+        try:
+            module.apply(ctx)
+        except Exception as e:
+            ctx.undo()
+            status.state, status.detail = State.FAILED, f"{type(e).__name__}: {e}"
+            raise PatchError(f"patch {spec.id!r} failed to apply: {e}") from e
+        _CONTEXTS[spec.id] = ctx
+        status.state = State.APPLIED
+        status.detail = "drift allowed by SGLANG_L3_ALLOW_DRIFT" if drift else ""
+        logger.debug("sglang-l3: applied patch %s", spec.id)
+        return status
+
+
+def apply_all(specs: Optional[list[PatchSpec]] = None, *, strict: bool = True) -> list[PatchStatus]:
+    """Apply every patch in series order. strict: re-raise the first failure."""
+    out: list[PatchStatus] = []
+    for spec in specs if specs is not None else load_series():
+        try:
+            out.append(apply_one(spec))
+        except PatchError:
+            if strict:
+                raise
+            out.append(_STATUS[spec.id])
+    return out
+
+
+def undo(patch_id: str) -> None:
+    """Remove an applied patch (tests' negative controls in one process)."""
+    with _LOCK:
+        ctx = _CONTEXTS.pop(patch_id, None)
+        if ctx is not None:
+            ctx.undo()
+        _STATUS.pop(patch_id, None)
+
+
+def status() -> dict[str, PatchStatus]:
+    return dict(_STATUS)
+
+
+def get_status(patch_id: str) -> Optional[PatchStatus]:
+    return _STATUS.get(patch_id)
+
+
+def is_applied(patch_id: str) -> bool:
+    st = _STATUS.get(patch_id)
+    return st is not None and st.state == State.APPLIED
