@@ -1,0 +1,387 @@
+"""The real upstream cache stack for a Mamba-hybrid model, on CPU.
+
+UnifiedRadixCache (Rust or Python tree core) + HybridCacheController +
+buffer-only HiCache + the `file` storage backend, over real device pools
+(HybridReqToTokenPool/MambaPool, HybridLinearKVPool) allocated on "cpu".
+Used by the integration tests, `make demo` and the soak benchmark; needs
+`sglang_l3.cpu.enable()` first. Nothing here re-implements upstream logic: it
+only calls the APIs the scheduler calls, in the order it calls them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+TREE_CORES = ("rust", "python")
+
+
+@dataclass(frozen=True)
+class HybridSpec:
+    """Shape of a tiny FULL + MAMBA hybrid (defaults follow upstream's kit)."""
+
+    page_size: int = 1
+    num_layers: int = 24
+    full_attention_layer_ids: tuple[int, ...] = (3, 7, 11, 15, 19, 23)
+    kv_size: int = 1024
+    head_num: int = 2
+    head_dim: int = 64
+    dtype: torch.dtype = torch.bfloat16
+    max_num_reqs: int = 16
+    max_context_len: int = 2048
+    mamba_cache_size: int = 60
+    mamba_intermediate_size: int = 256
+    mamba_n_groups: int = 1
+    mamba_num_heads: int = 2
+    mamba_head_dim: int = 16
+    mamba_state_size: int = 16
+    mamba_conv_kernel: int = 4
+    ssm_dtype: str = "bfloat16"
+
+    @property
+    def mamba_layer_ids(self) -> list[int]:
+        return [i for i in range(self.num_layers) if i not in self.full_attention_layer_ids]
+
+    @property
+    def extra_buffer(self) -> bool:
+        # Mamba page_size > 1 requires the extra-buffer strategy (upstream kit config.py:99).
+        return self.page_size > 1
+
+
+@dataclass
+class Snapshot:
+    """KV of the first full-attention layer at a path + one Mamba slot's state."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    mamba: list[torch.Tensor] = field(default_factory=list)
+
+    def equal(self, other: "Snapshot") -> bool:
+        return (
+            torch.equal(self.k, other.k)
+            and torch.equal(self.v, other.v)
+            and len(self.mamba) == len(other.mamba)
+            and all(torch.equal(a, b) for a, b in zip(self.mamba, other.mamba))
+        )
+
+
+class RestoreFailed(AssertionError):
+    pass
+
+
+def _pump(cache: Any, cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        cache.check_hicache_events()
+        if cond():
+            return
+        time.sleep(0.002)
+    raise RestoreFailed(f"timed out waiting for: {what}")
+
+
+class L3Stack:
+    """One cache instance (one "process") over a storage directory."""
+
+    def __init__(
+        self,
+        spec: HybridSpec,
+        storage_dir: str,
+        *,
+        tree_core: str = "rust",
+        prefetch_threshold: int = 1,
+        write_policy: str = "write_through",
+        extra_config: Optional[dict[str, Any]] = None,
+    ):
+        from sglang.kernels.ops.attention.fla.chunk_delta_h import CHUNK_SIZE
+        from sglang.srt.environ import envs
+        from sglang.srt.runtime_context import get_parallel
+        from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+        if tree_core not in TREE_CORES:
+            raise ValueError(f"tree_core must be one of {TREE_CORES}")
+        self.spec = spec
+        self.storage_dir = storage_dir
+        self._exit = contextlib.ExitStack()
+        self._exit.enter_context(get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1))
+        self._exit.enter_context(envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(storage_dir))
+        cfg = {"prefetch_threshold": prefetch_threshold, **(extra_config or {})}
+        self.server_args = ServerArgs(
+            model_path="dummy",
+            page_size=spec.page_size,
+            hicache_io_backend="direct",
+            hicache_mem_layout="page_first_direct",
+            hicache_write_policy=write_policy,
+            hicache_storage_backend="file",
+            hicache_storage_backend_extra_config=json.dumps(cfg),
+            hicache_storage_prefetch_policy="wait_complete",
+            hicache_host_memory_mode="buffer_only",
+        )
+        self.server_args._mamba_cache_chunk_size = max(CHUNK_SIZE, spec.page_size)
+        set_global_server_args_for_scheduler(self.server_args)
+        self.req_to_token_pool, self.allocator, params = self._build_pools(envs)
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        with envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override(tree_core):
+            self.cache = UnifiedRadixCache(params=params)
+        if self.cache._tree_core_backend != tree_core:
+            raise RuntimeError(f"asked for tree core {tree_core}, got {self.cache._tree_core_backend}")
+        self.cache.init_hicache(self.server_args, params)
+        atexit.unregister(self.cache.shutdown)
+        cc = self.cache.cache_controller
+        cc.prefetch_capacity_limit = max(cc.prefetch_capacity_limit, cc.mem_pool_host.size)
+        self.cache.load_back_threshold = 0
+        self._rid = 0
+        self.baseline = self.pool_sizes()
+
+    # ------------------------------------------------------------------ pools
+    def _build_pools(self, envs: Any) -> tuple[Any, Any, Any]:
+        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+        from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+        s = self.spec
+        with envs.SGLANG_MAMBA_SSM_DTYPE.override(s.ssm_dtype):
+            shape = Mamba2StateShape.create(
+                tp_world_size=1,
+                intermediate_size=s.mamba_intermediate_size,
+                n_groups=s.mamba_n_groups,
+                num_heads=s.mamba_num_heads,
+                head_dim=s.mamba_head_dim,
+                state_size=s.mamba_state_size,
+                conv_kernel=s.mamba_conv_kernel,
+            )
+            cache_params = Mamba2CacheParams(shape=shape, layers=s.mamba_layer_ids)
+        rtp = HybridReqToTokenPool(
+            size=s.max_num_reqs,
+            mamba_size=s.mamba_cache_size,
+            mamba_spec_state_size=s.max_num_reqs,
+            max_context_len=s.max_context_len,
+            device="cpu",
+            enable_memory_saver=False,
+            cache_params=cache_params,
+            mamba_layer_ids=s.mamba_layer_ids,
+            enable_mamba_extra_buffer=s.extra_buffer,
+            speculative_num_draft_tokens=3,
+        )
+        kv_pool = HybridLinearKVPool(
+            size=s.kv_size,
+            dtype=s.dtype,
+            page_size=s.page_size,
+            head_num=s.head_num,
+            head_dim=s.head_dim,
+            full_attention_layer_ids=list(s.full_attention_layer_ids),
+            device="cpu",
+            enable_memory_saver=False,
+            mamba_pool=rtp.mamba_pool,
+        )
+        allocator = TokenToKVPoolAllocator(
+            size=s.kv_size, dtype=s.dtype, device="cpu", kvcache=kv_pool, need_sort=False
+        )
+        params = CacheInitParams(
+            req_to_token_pool=rtp,
+            token_to_kv_pool_allocator=allocator,
+            page_size=s.page_size,
+            disable=False,
+            tree_components=(ComponentType.FULL, ComponentType.MAMBA),
+            enable_mamba_extra_buffer=s.extra_buffer,
+        )
+        return rtp, allocator, params
+
+    @property
+    def kv_pool(self) -> Any:
+        pool = self.allocator.get_kvcache()
+        return getattr(pool, "full_kv_pool", pool)
+
+    @property
+    def mamba_cache(self) -> Any:
+        return self.req_to_token_pool.mamba_pool.mamba_cache
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Free capacity of every pool (compare with `baseline` after requests finish)."""
+        out = {
+            "device_kv": int(self.allocator.available_size()),
+            "device_mamba": int(self.req_to_token_pool.mamba_allocator.available_size()),
+            "req_slots": int(self.req_to_token_pool.available_size()),
+        }
+        host = self.cache.cache_controller.mem_pool_host
+        for entry in getattr(host, "entries", None) or []:
+            out[f"host_{getattr(entry.name, 'name', entry.name).lower()}"] = int(
+                entry.host_pool.available_size()
+            )
+        return out
+
+    # --------------------------------------------------------------- requests
+    def new_req(self, rid: Optional[str] = None, input_ids: Optional[list[int]] = None) -> Any:
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        self._rid += 1
+        req = Req(
+            rid=rid or f"r{self._rid}",
+            origin_input_text="",
+            origin_input_ids=array("q", input_ids or []),
+            sampling_params=SamplingParams(temperature=0, max_new_tokens=1),
+        )
+        return req
+
+    def key(self, seq: list[int]) -> Any:
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        return RadixKey(array("q", seq))
+
+    def match(self, seq: list[int]) -> Any:
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        return self.cache.match_prefix(MatchPrefixParams(key=self.key(seq)))
+
+    def node_mamba_slot(self, node: Any) -> Optional[int]:
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+        v = self.cache.tree_core.get_component_device_value(node, ComponentType.MAMBA)
+        return None if v is None else int(torch.as_tensor(v).reshape(-1)[0])
+
+    def snapshot(self, node: Any, mamba_slot: Optional[int]) -> Snapshot:
+        idx = self.cache.path_device_indices(node)
+        layer = self.kv_pool.start_layer
+        k = self.kv_pool.get_key_buffer(layer)[idx].clone()
+        v = self.kv_pool.get_value_buffer(layer)[idx].clone()
+        mamba: list[torch.Tensor] = []
+        if mamba_slot is not None:
+            mc = self.mamba_cache
+            s = torch.tensor([mamba_slot])
+            mamba = [mc.temporal[:, s].clone()] + [c[:, s].clone() for c in mc.conv]
+        return Snapshot(k, v, mamba)
+
+    def write(self, seq: list[int], marker: float = 1.0) -> Snapshot:
+        """Insert `seq` with its KV and a Mamba state, and write it through to L3.
+
+        KV is a function of (token id, position, layer) only — like a real
+        model's, so contexts sharing a prefix agree on it — with values that
+        differ page to page, so a misplaced page is caught. The Mamba state is
+        `marker`-salted and depends on the whole sequence.
+        """
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+        value = self.allocator.alloc(len(seq))
+        if value is None:
+            raise RuntimeError("device KV pool exhausted")
+        # A slot owned by the tree from the start, as after a request donates it.
+        slot = self.req_to_token_pool.mamba_allocator.alloc(1)
+        if slot is None:
+            raise RuntimeError("device Mamba pool exhausted")
+        slot = slot.reshape(-1)[:1]
+        ids = torch.tensor(seq, dtype=torch.float32)
+        pos = torch.arange(len(seq), dtype=torch.float32)
+        base = ((ids % 251) / 8 + (pos % 61) / 4).view(-1, 1, 1)
+        for layer in range(self.kv_pool.start_layer, self.kv_pool.start_layer + self.kv_pool.layer_num):
+            kb, vb = self.kv_pool.get_key_buffer(layer), self.kv_pool.get_value_buffer(layer)
+            kb[value] = (base + layer).to(kb.dtype)
+            vb[value] = (-base - layer).to(vb.dtype)
+        digest = float(hash(tuple(seq)) % 1009) / 64
+        mc = self.mamba_cache
+        mc.temporal[:, slot] = marker + digest
+        for i, c in enumerate(mc.conv, 1):
+            c[:, slot] = marker + digest + i
+        self.cache.insert(InsertParams(key=self.key(seq), value=value, mamba_value=slot.reshape(1)))
+        m = self.match(seq)
+        if m.device_prefix_len != len(seq):
+            raise RuntimeError(f"insert matched {m.device_prefix_len} of {len(seq)}")
+        snap = self.snapshot(m.last_device_node, int(slot))
+        self.flush_backups()
+        return snap
+
+    def flush_backups(self) -> None:
+        bp = self.cache.buffer_pipeline
+        bp.flush_pending_writes()
+        _pump(
+            self.cache,
+            lambda: not bp.inflight_backup_node_ids and not bp.ongoing_backup and not bp.pending_write_queue,
+            "L3 write-through to drain",
+        )
+
+    def evict_all(self) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        self.cache.evict(EvictParams(num_tokens=self.spec.kv_size, mamba_num=self.spec.mamba_cache_size))
+
+    def scribble(self) -> None:
+        """Overwrite every device pool so a restore that reads stale memory is caught."""
+        for layer in range(self.kv_pool.start_layer, self.kv_pool.start_layer + self.kv_pool.layer_num):
+            self.kv_pool.get_key_buffer(layer).fill_(-7)
+            self.kv_pool.get_value_buffer(layer).fill_(-7)
+        self.mamba_cache.temporal.fill_(-7)
+        for c in self.mamba_cache.conv:
+            c.fill_(-7)
+
+    def prefetch(self, seq: list[int], rid: str) -> tuple[Any, int]:
+        """prefetch_from_storage → staged hold; returns (handle, loaded tokens)."""
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+        h = CacheRequestHandle(rid, 0)
+        self.cache.prefetch_from_storage(h, self.cache.root_node_handle(), array("q", seq), None, None)
+        bp = self.cache.buffer_pipeline
+        _pump(
+            self.cache,
+            lambda: self.cache.check_prefetch_progress(h) and (bp.has_staged(h) or h not in bp.staged_prefetches),
+            "prefetch to complete",
+        )
+        loaded = self.cache.pop_prefetch_loaded_tokens(h)
+        return h, int(loaded or 0)
+
+    def restore(self, seq: list[int], rid: str) -> tuple[Any, int]:
+        """Storage → staged → admission-style init_load_back → ack. Returns (req, loaded_len)."""
+        from sglang.srt.managers.schedule_policy import PrefillAdder
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+        h, _ = self.prefetch(seq, rid)
+        if not self.cache.buffer_pipeline.has_staged(h):
+            raise RestoreFailed(f"nothing staged for {rid}")
+        req = self.new_req(rid, seq)
+        self.req_to_token_pool.alloc([req])
+        req.cache_request_handle = h
+        m = self.match(seq)
+        req.prefix_len = m.device_prefix_len
+        req.last_node = m.last_device_node
+        if not self.cache.buffer_pipeline.prepare_staged_prefetch(req):
+            raise RestoreFailed("prepare_staged_prefetch refused the staged hold")
+        adder = PrefillAdder.__new__(PrefillAdder)
+        adder.tree_cache = self.cache
+        with adder._lock_node(req.last_node):
+            loaded = self.cache.init_load_back(
+                InitLoadBackParams(best_match_node=None, host_hit_length=req.host_hit_length, req=req)
+            )
+        if loaded is None:
+            raise RestoreFailed("init_load_back fell back to recompute")
+        loaded_len, node = loaded
+        req.last_node = node  # what PrefillAdder.add_one_req does with the result
+        self.cache.ready_to_load_host_cache()
+        _pump(self.cache, lambda: not self.cache.buffer_pipeline.ongoing_buffer_load_back, "load-back ack")
+        return req, int(loaded_len)
+
+    def release(self, req: Any) -> None:
+        """Finish a restored request: drop its private Mamba slot(s) and its row."""
+        if req.kv.mamba_pool_idx is not None:
+            self.req_to_token_pool.free_mamba_cache(req)
+        self.req_to_token_pool.free(req)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.cache.cache_controller._stop_storage_threads()
+        with contextlib.suppress(Exception):
+            self.cache.release_host_resources()
+        self._exit.close()
+
+    def __enter__(self) -> "L3Stack":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,44 @@
+"""Test session set-up: CPU shims (no GPU here), then the whole sglang-l3 patch
+queue applied in-process, as the plugin does in every SGLang process."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("SGLANG_L3_TEST", "1")
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def _gpu_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, doc in (
+        ("gpu", "needs a CUDA/ROCm GPU; skipped without one"),
+        ("rdna3", "needs an RDNA3 (gfx11xx) GPU; skipped elsewhere"),
+        ("e2e", "starts a real SGLang server"),
+        ("slow", "takes more than a few seconds"),
+    ):
+        config.addinivalue_line("markers", f"{name}: {doc}")
+    if not _gpu_present():
+        import sglang_l3.cpu
+
+        sglang_l3.cpu.enable()
+    import sglang_l3.plugin
+
+    sglang_l3.plugin.register()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _gpu_present():
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords or "rdna3" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,76 @@
+"""Mamba hybrid, buffer_only, `file` backend, real upstream stack on CPU:
+insert KV + Mamba → written to L3 → evicted → device pools overwritten →
+prefetch → stage → init_load_back → ack → KV, the request's and the node's
+Mamba state bit-exact; same cache and a fresh instance over the same directory
+(a restart); page sizes 1, 4, 64, 128; Rust and Python tree cores."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from sglang_l3.cpu.stack import HybridSpec, L3Stack
+
+PAGE_SIZES = (1, 4, 64, 128)
+TREE_CORES = ("rust", "python")
+
+
+def _seq(page_size: int, pages: int = 4, start: int = 1) -> list[int]:
+    n = max(pages * page_size, 16)
+    return list(range(start, start + n))
+
+
+def _check_restored(st: L3Stack, seq: list[int], req, loaded: int, want) -> None:
+    m = st.match(seq)
+    assert loaded == len(seq)
+    assert m.device_prefix_len == len(seq)
+    assert req.last_node == m.last_device_node, "request not bound to the restored node"
+    node_slot = st.node_mamba_slot(m.last_device_node)
+    req_slot = int(req.kv.mamba_pool_idx)
+    assert node_slot is not None, "restored node has no device Mamba state"
+    assert node_slot != req_slot, "request must never decode in the node's slot"
+    assert st.snapshot(m.last_device_node, req_slot).equal(want), "request slot differs"
+    assert st.snapshot(m.last_device_node, node_slot).equal(want), "node slot differs"
+
+
+@pytest.mark.parametrize("tree_core", TREE_CORES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_evict_then_restore_same_cache(tmp_path, page_size: int, tree_core: str) -> None:
+    with L3Stack(HybridSpec(page_size=page_size), str(tmp_path), tree_core=tree_core) as st:
+        seq = _seq(page_size)
+        want = st.write(seq, marker=3.0)
+        assert os.listdir(tmp_path), "nothing reached L3"
+        st.evict_all()
+        m = st.match(seq)
+        assert (m.device_prefix_len, m.host_hit_length) == (0, 0)
+        st.scribble()
+        req, loaded = st.restore(seq, "same")
+        _check_restored(st, seq, req, loaded, want)
+        st.cache.sanity_check()
+        st.release(req)
+        st.evict_all()
+        assert st.pool_sizes() == st.baseline, "a pool did not return to its baseline"
+
+
+@pytest.mark.parametrize("tree_core", TREE_CORES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_restore_after_restart(tmp_path, page_size: int, tree_core: str) -> None:
+    seq = _seq(page_size)
+    with L3Stack(HybridSpec(page_size=page_size), str(tmp_path), tree_core=tree_core) as producer:
+        want = producer.write(seq, marker=5.0)
+    with L3Stack(HybridSpec(page_size=page_size), str(tmp_path), tree_core=tree_core) as st:
+        st.scribble()
+        req, loaded = st.restore(seq, "fresh")
+        _check_restored(st, seq, req, loaded, want)
+        st.release(req)
+        st.evict_all()
+        assert st.pool_sizes() == st.baseline
+
+
+def test_unrelated_prefix_misses(tmp_path) -> None:
+    with L3Stack(HybridSpec(page_size=4), str(tmp_path)) as st:
+        st.write(_seq(4), marker=2.0)
+        h, loaded = st.prefetch(_seq(4, start=1000), "miss")
+        assert loaded == 0
+        assert not st.cache.buffer_pipeline.has_staged(h)

@@ -1,0 +1,56 @@
+"""Run a named test suite (upstream SGLang style: `python test/run_suite.py --suite cpu`).
+
+Suites:
+  cpu       everything that runs without a GPU (default; `make test`, CI)
+  upstream  SGLang's own unified-radix-cache kits composed over every config,
+            with every sglang-l3 patch applied
+  gpu       GPU checks (CUDA or ROCm); skip cleanly without a GPU
+  rdna3     RDNA3-only checks (gfx11xx); skip cleanly elsewhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SUITES: dict[str, list[str]] = {
+    "cpu": ["unit", "integration", "upstream", "e2e", "-m", "not gpu and not rdna3"],
+    "upstream": ["upstream"],
+    "gpu": ["unit", "integration", "e2e", "gpu", "-m", "gpu"],
+    "rdna3": ["unit", "gpu", "-m", "rdna3"],
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", default="cpu", choices=sorted(SUITES))
+    ap.add_argument("pytest_args", nargs="*", help="extra arguments passed to pytest (after --)")
+    args = ap.parse_args()
+    targets = SUITES[args.suite]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", HERE]
+    it = iter(targets)
+    for t in it:
+        if t == "-m":
+            cmd += ["-m", next(it)]
+        else:
+            path = os.path.join(HERE, t)
+            if os.path.isdir(path):
+                cmd.append(path)
+    cmd += args.pytest_args
+    print(f"[run_suite] suite={args.suite}: {' '.join(cmd[3:])}", flush=True)
+    t0 = time.monotonic()
+    rc = subprocess.call(cmd, cwd=os.path.dirname(HERE))
+    print(f"[run_suite] suite={args.suite} finished in {time.monotonic() - t0:.0f}s with exit code {rc}", flush=True)
+    if rc == 5:  # pytest: no tests collected — a suite that runs nothing has failed
+        print("[run_suite] no tests were collected", flush=True)
+        return 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
