@@ -29,6 +29,11 @@ SUITES: dict[str, list[str]] = {
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="cpu", choices=sorted(SUITES))
+    ap.add_argument(
+        "--without-patches",
+        action="store_true",
+        help="negative control: SGLANG_L3_DISABLE every patch except the CPU test shims",
+    )
     ap.add_argument("pytest_args", nargs="*", help="extra arguments passed to pytest (after --)")
     args = ap.parse_args()
     targets = SUITES[args.suite]
@@ -42,9 +47,16 @@ def main() -> int:
             if os.path.isdir(path):
                 cmd.append(path)
     cmd += args.pytest_args
+    env = dict(os.environ)
+    if args.without_patches:
+        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+        from sglang_l3.patches.framework import load_series
+
+        env["SGLANG_L3_DISABLE"] = ",".join(s.id for s in load_series() if s.group != "cpu")
+        print(f"[run_suite] SGLANG_L3_DISABLE={env['SGLANG_L3_DISABLE']}", flush=True)
     print(f"[run_suite] suite={args.suite}: {' '.join(cmd[3:])}", flush=True)
     t0 = time.monotonic()
-    rc = subprocess.call(cmd, cwd=os.path.dirname(HERE))
+    rc = subprocess.call(cmd, cwd=os.path.dirname(HERE), env=env)
     print(f"[run_suite] suite={args.suite} finished in {time.monotonic() - t0:.0f}s with exit code {rc}", flush=True)
     if rc == 5:  # pytest: no tests collected — a suite that runs nothing has failed
         print("[run_suite] no tests were collected", flush=True)
