@@ -155,10 +155,14 @@ def check_sections(store_dir: Optional[str]) -> list[Check]:
 
 
 def stats() -> dict[str, Any]:
-    """Counters of this process (and, where a subsystem persists them, of the server)."""
+    """Counters published by running SGLang processes (summed over TP ranks),
+    plus this process's own."""
     from sglang_l3 import metrics
 
-    return metrics.snapshot()
+    out: dict[str, Any] = dict(metrics.collect_published())
+    for k, v in metrics.snapshot().items():
+        out[k] = out.get(k, 0) + v
+    return out
 
 
 def run(store_dir: Optional[str] = None, with_stats: bool = False) -> tuple[bool, list[Check]]:

@@ -67,3 +67,19 @@ def test_text_output_names_states(capsys, tmp_path) -> None:
     ok, checks = doctor.run(store_dir=str(tmp_path / "none"))
     text = doctor.render(ok, checks, as_json=False)
     assert "cli-buffer-only" in text and "applied" in text
+
+
+def test_stats_aggregate_published_counters(capsys, tmp_path, monkeypatch) -> None:
+    from sglang_l3 import metrics
+
+    monkeypatch.setenv("SGLANG_L3_STATS_DIR", str(tmp_path))
+    monkeypatch.setenv("SGLANG_L3_PUBLISH_STATS", "1")
+    metrics.inc("recompute_fallbacks", "unit_test")
+    metrics._maybe_publish(force=True)
+    (tmp_path / "999999999.json").write_text('{"pid": 999999999, "counters": {"l3_restores": 5}}')  # dead pid: ignored
+    rc = cli.main(["doctor", "--json", "--stats"])
+    rep = json.loads(capsys.readouterr().out)
+    stats = next(c for c in rep["checks"] if c["name"] == "stats")["data"]
+    # this process's counter counted twice: once published, once in memory
+    assert stats["recompute_fallbacks{unit_test}"] >= 2
+    assert stats.get("l3_restores", 0) < 5

@@ -98,6 +98,7 @@ class L3Stack:
         prefetch_threshold: int = 1,
         write_policy: str = "write_through",
         extra_config: Optional[dict[str, Any]] = None,
+        server_args: Optional[dict[str, Any]] = None,
     ):
         from sglang.kernels.ops.attention.fla.chunk_delta_h import CHUNK_SIZE
         from sglang.srt.environ import envs
@@ -122,6 +123,7 @@ class L3Stack:
             hicache_storage_backend_extra_config=json.dumps(cfg),
             hicache_storage_prefetch_policy="wait_complete",
             hicache_host_memory_mode="buffer_only",
+            **(server_args or {}),
         )
         self.server_args._mamba_cache_chunk_size = max(CHUNK_SIZE, spec.page_size)
         set_global_server_args_for_scheduler(self.server_args)
@@ -143,7 +145,7 @@ class L3Stack:
     # ------------------------------------------------------------------ pools
     def _build_pools(self, envs: Any) -> tuple[Any, Any, Any]:
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
-        from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
         from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
@@ -183,9 +185,14 @@ class L3Stack:
             enable_memory_saver=False,
             mamba_pool=rtp.mamba_pool,
         )
-        allocator = TokenToKVPoolAllocator(
-            size=s.kv_size, dtype=s.dtype, device="cpu", kvcache=kv_pool, need_sort=False
-        )
+        if s.page_size > 1:
+            allocator: Any = PagedTokenToKVPoolAllocator(
+                size=s.kv_size, page_size=s.page_size, dtype=s.dtype, device="cpu", kvcache=kv_pool, need_sort=False
+            )
+        else:
+            allocator = TokenToKVPoolAllocator(
+                size=s.kv_size, dtype=s.dtype, device="cpu", kvcache=kv_pool, need_sort=False
+            )
         params = CacheInitParams(
             req_to_token_pool=rtp,
             token_to_kv_pool_allocator=allocator,
@@ -261,13 +268,14 @@ class L3Stack:
             mamba = [mc.temporal[:, s].clone()] + [c[:, s].clone() for c in mc.conv]
         return Snapshot(k, v, mamba)
 
-    def write(self, seq: list[int], marker: float = 1.0) -> Snapshot:
+    def write(self, seq: list[int], marker: float = 1.0, *, flush: bool = True, state: Optional[float] = None) -> Snapshot:
         """Insert `seq` with its KV and a Mamba state, and write it through to L3.
 
         KV is a function of (token id, position, layer) only — like a real
         model's, so contexts sharing a prefix agree on it — with values that
         differ page to page, so a misplaced page is caught. The Mamba state is
-        `marker`-salted and depends on the whole sequence.
+        `marker`-salted and depends on the whole sequence (or is the constant
+        `state`). `flush=False` leaves the L3 write-through queued.
         """
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
@@ -279,25 +287,40 @@ class L3Stack:
         if slot is None:
             raise RuntimeError("device Mamba pool exhausted")
         slot = slot.reshape(-1)[:1]
-        ids = torch.tensor(seq, dtype=torch.float32)
-        pos = torch.arange(len(seq), dtype=torch.float32)
-        base = ((ids % 251) / 8 + (pos % 61) / 4).view(-1, 1, 1)
-        for layer in range(self.kv_pool.start_layer, self.kv_pool.start_layer + self.kv_pool.layer_num):
-            kb, vb = self.kv_pool.get_key_buffer(layer), self.kv_pool.get_value_buffer(layer)
-            kb[value] = (base + layer).to(kb.dtype)
-            vb[value] = (-base - layer).to(vb.dtype)
+        self.fill_kv(value, seq, 0)
         digest = float(hash(tuple(seq)) % 1009) / 64
         mc = self.mamba_cache
-        mc.temporal[:, slot] = marker + digest
+        mc.temporal[:, slot] = marker + digest if state is None else state
         for i, c in enumerate(mc.conv, 1):
-            c[:, slot] = marker + digest + i
+            c[:, slot] = marker + digest + i if state is None else state
         self.cache.insert(InsertParams(key=self.key(seq), value=value, mamba_value=slot.reshape(1)))
         m = self.match(seq)
         if m.device_prefix_len != len(seq):
             raise RuntimeError(f"insert matched {m.device_prefix_len} of {len(seq)}")
         snap = self.snapshot(m.last_device_node, int(slot))
-        self.flush_backups()
+        if flush:
+            self.flush_backups()
         return snap
+
+    def fill_kv(self, rows: torch.Tensor, token_ids: list[int], start_pos: int) -> None:
+        """What a model would write: KV as a function of (token id, position, layer)."""
+        ids = torch.tensor(list(token_ids), dtype=torch.float32)
+        pos = torch.arange(start_pos, start_pos + len(ids), dtype=torch.float32)
+        base = ((ids % 251) / 8 + (pos % 61) / 4).view(-1, 1, 1)
+        for layer in range(self.kv_pool.start_layer, self.kv_pool.start_layer + self.kv_pool.layer_num):
+            kb, vb = self.kv_pool.get_key_buffer(layer), self.kv_pool.get_value_buffer(layer)
+            kb[rows] = (base + layer).to(kb.dtype)
+            vb[rows] = (-base - layer).to(vb.dtype)
+
+    def expected_kv(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """First full-attention layer's KV that fill_kv writes for a whole prefix."""
+        ids = torch.tensor(list(token_ids), dtype=torch.float32)
+        pos = torch.arange(len(ids), dtype=torch.float32)
+        base = ((ids % 251) / 8 + (pos % 61) / 4).view(-1, 1, 1)
+        layer = self.kv_pool.start_layer
+        kb = self.kv_pool.get_key_buffer(layer)
+        shape = (len(ids),) + tuple(kb.shape[1:])
+        return (base + layer).expand(shape).to(kb.dtype), (-base - layer).expand(shape).to(kb.dtype)
 
     def flush_backups(self) -> None:
         bp = self.cache.buffer_pipeline
