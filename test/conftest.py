@@ -24,6 +24,7 @@ def pytest_configure(config: pytest.Config) -> None:
         ("rdna3", "needs an RDNA3 (gfx11xx) GPU; skipped elsewhere"),
         ("e2e", "starts a real SGLang server"),
         ("slow", "takes more than a few seconds"),
+        ("aot", "ahead-of-time compiles Triton kernels for gfx1100 (no GPU needed)"),
     ):
         config.addinivalue_line("markers", f"{name}: {doc}")
     if not _gpu_present():

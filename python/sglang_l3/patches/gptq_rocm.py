@@ -1,0 +1,87 @@
+"""Patch `gptq-rocm`: `--quantization gptq` on ROCm (RDNA3 first).
+
+Upstream 0.5.23 defects this works around (file:line in the pinned wheel):
+  * "gptq" is registered only on NPU/CPU/XPU (layers/quantization/__init__.py:107-137),
+    so get_quantization_config rejects it on ROCm (:163).
+  * ModelConfig._verify_quantization's ROCm allowlist lacks gptq
+    (configs/model_config.py:2000-2016, raise at 2156-2160).
+  * GPTQMarlinConfig.override_quantization_method (gptq/gptq.py:414-438) upgrades a
+    GPTQ checkpoint to CUDA-only Marlin when --quantization is not given: gfx1100
+    reports capability (11, 0), which passes Marlin's >= 80 check.
+  * GPTQLinearScheme._init_kernel raises (gptq/schemes/gptq_linear.py:31-35):
+    sglang_l3.quant.rocm_gptq supplies the kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from sglang_l3.patches.framework import PatchContext, PatchError
+
+logger = logging.getLogger("sglang_l3.patches.gptq_rocm")
+
+REGISTRY = "sglang.srt.layers.quantization:get_quantization_config"
+ALLOWLIST = "sglang.srt.configs.model_config:ModelConfig._verify_quantization"
+MARLIN = "sglang.srt.layers.quantization.gptq.gptq:GPTQMarlinConfig.override_quantization_method"
+# the exact error the allowlist raises (model_config.py:2157-2160)
+ROCM_REJECT = "gptq quantization is currently not supported in ROCm."
+
+
+def _on_hip() -> bool:
+    from sglang.srt import utils  # looked up per call: tests simulate HIP by patching it
+
+    return bool(utils.is_hip())
+
+
+def applicable() -> Optional[str]:
+    if not _on_hip():
+        return "not ROCm (torch.version.hip is None)"
+    from sglang.srt import utils
+
+    if utils.is_cpu():
+        return "SGLang CPU engine selected (SGLANG_USE_CPU_ENGINE=1)"
+    return None
+
+
+def apply(ctx: PatchContext) -> None:
+    from sglang.srt.layers import quantization as q
+
+    from sglang_l3.quant.rocm_gptq import RocmGPTQConfig
+
+    # 1. Registry: edit the dict in place (model_config.py:34 imported this very
+    #    object; rebinding the name would leave that reference stale).
+    registry = q.QUANTIZATION_METHODS
+    if "gptq" in registry:
+        raise PatchError(
+            f"anchor changed: upstream now registers 'gptq' on this platform "
+            f"({registry['gptq'].__name__}); re-verify whether gptq-rocm is still needed")
+    registry["gptq"] = RocmGPTQConfig
+    ctx.on_undo(lambda: registry.pop("gptq", None))
+    ctx.fired("register_gptq")
+
+    # 2. Allowlist: upstream is the reference; only its exact ROCm rejection of
+    #    gptq is turned into acceptance. Everything after that raise is a warning.
+    def verify_quantization(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except ValueError as e:
+            if (str(e) == ROCM_REJECT and self.quantization == "gptq" and _on_hip()
+                    and registry.get("gptq") is RocmGPTQConfig):
+                ctx.fired("rocm_allowlist_gptq")
+                logger.info("sglang-l3: gptq accepted on ROCm (kernels: sglang_l3.quant)")
+                return None
+            raise
+
+    ctx.around(ALLOWLIST, verify_quantization)
+
+    # 3. No automatic Marlin upgrade on HIP: Marlin is CUDA-only. An explicit
+    #    --quantization gptq_marlin still goes to upstream, whose ROCm allowlist
+    #    then refuses it with its own clear message.
+    def no_marlin_on_hip(original: Any, cls: Any, hf_quant_cfg: Any, user_quant: Any) -> Any:
+        if user_quant is None and _on_hip():
+            ctx.fired("marlin_upgrade_blocked")
+            return None
+        return original(cls, hf_quant_cfg, user_quant)
+
+    ctx.around(MARLIN, no_marlin_on_hip)
