@@ -359,11 +359,11 @@ def test_precheck_failure_falls_back_to_recompute(tmp_path, monkeypatch) -> None
         req = h.make_req(seq + EXTRA)
         h.arrive(req)
         h.wait_prefetch(req)
-        before = metrics.get("recompute_fallbacks", "anchor_path_mismatch")
+        before = metrics.get("recompute_fallbacks", "anchor_path_short")
         monkeypatch.setattr(BufferModePipeline, "prepare_staged_prefetch", moves_anchor)
         assert h.admit() is None
         monkeypatch.setattr(BufferModePipeline, "prepare_staged_prefetch", installed)
-        assert metrics.get("recompute_fallbacks", "anchor_path_mismatch") == before + 1
+        assert metrics.get("recompute_fallbacks", "anchor_path_short") == before + 1
         assert not st.cache.buffer_pipeline.has_staged(req.cache_request_handle)
         assert not st.cache.buffer_pipeline.anchor_locks
         batch = h.admit()

@@ -134,8 +134,11 @@ def _precheck(pipe: Any, req: Any, f: Any) -> Optional[str]:
         return "plan_stale"
     if req.prefix_len != plan.device_prefix_len:
         return "prefix_mismatch"
-    if _path_len(cache, req.last_node) != req.prefix_len:
-        return "anchor_path_mismatch"
+    # The anchor may end past the prefix (match_full_device_prefix stops inside
+    # a node without splitting it; upstream's prefix_device_indices truncates),
+    # but it must cover it.
+    if _path_len(cache, req.last_node) < req.prefix_len:
+        return "anchor_path_short"
     return None
 
 
