@@ -6,7 +6,7 @@ PIP     := $(VENV)/bin/pip
 STAMP   := $(VENV)/.sglang-l3-installed
 SUITE   ?= cpu
 
-.PHONY: install test test-upstream demo bench doctor clean-store
+.PHONY: install test test-upstream demo demo-stack demo-server bench soak doctor
 
 install: $(STAMP)
 
@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	$(PIP) install -q -r requirements/cpu.txt
 	$(PIP) install -q --no-deps -e .
 	$(PY) -c "import sglang_l3.plugin, sglang.srt.mem_cache.unified_radix_cache"
+	# HiCache's C++ page-hash extension is JIT-built on first use; build it once here.
+	$(PY) -c "from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module as b; b()"
 	touch $(STAMP)
 
 test: install
@@ -26,11 +28,21 @@ test: install
 test-upstream: install
 	$(PY) test/run_suite.py --suite upstream
 
-demo: install
-	$(PY) -m sglang_l3.demo --store ./l3-store
+# The cache stack on CPU (agents → L3 → evict → restore, bit-exact table), then
+# the tiny hybrid model served on CPU with L3 (per-turn prefix source and TTFT).
+demo: demo-stack demo-server
+
+demo-stack: install
+	$(PY) -m sglang_l3.demo --store ./l3-store/stack
+
+demo-server: install
+	$(PY) -m sglang_l3.demo_server --store ./l3-store/server
 
 bench: install
 	$(PY) benchmark/storage_bench.py
+
+soak: install
+	$(PY) benchmark/soak.py --requests 2000
 
 doctor: install
 	$(VENV)/bin/sglang-l3 doctor

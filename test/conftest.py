@@ -31,6 +31,11 @@ def pytest_configure(config: pytest.Config) -> None:
         import sglang_l3.cpu
 
         sglang_l3.cpu.enable()
+    # Upstream compiles its page-hash extension lazily inside the prefetch
+    # thread; on a fresh, busy machine that outlasts the waits. Build it now.
+    from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module
+
+    _load_native_hash_module()
     import sglang_l3.plugin
 
     sglang_l3.plugin.register()

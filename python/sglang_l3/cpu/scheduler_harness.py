@@ -130,10 +130,10 @@ class SchedulerHarness:
         """A request enters the waiting queue (real _add_request_to_queue)."""
         self.s._add_request_to_queue(req)
 
-    def pump(self, cond: Any = None, what: str = "hicache events", timeout: float = 30.0) -> None:
+    def pump(self, cond: Any = None, what: str = "hicache events", timeout: float = 120.0) -> None:
         _pump(self.stack.cache, cond or (lambda: True), what, timeout)
 
-    def wait_prefetch(self, req: Any, timeout: float = 30.0) -> None:
+    def wait_prefetch(self, req: Any, timeout: float = 120.0) -> None:
         cache = self.stack.cache
         _pump(cache, lambda: cache.check_prefetch_progress(req.cache_request_handle), f"prefetch of {req.rid}", timeout)
 

@@ -67,6 +67,19 @@ class _FlakyStorage:
         return self._backend.batch_get_v2(transfers, extra_info)
 
 
+def _holders(st: L3Stack) -> str:
+    """Who still holds staging memory (for a violation message)."""
+    bp = st.cache.buffer_pipeline
+    cache = st.cache
+    return (
+        f"staged={[r.rid for r in bp.staged_prefetches]} "
+        f"ongoing_prefetch={[r.rid for r in getattr(cache, 'ongoing_prefetch', {})]} "
+        f"load_backs={len(bp.ongoing_buffer_load_back)} anchor_locks={len(bp.anchor_locks)} "
+        f"pending_writes={len(bp.pending_write_queue)} inflight_backups={len(bp.inflight_backup_node_ids)} "
+        f"occupied={st.cache.cache_controller.prefetch_tokens_occupied}"
+    )
+
+
 def _check_restored(st: L3Stack, req: Any, report: SoakReport) -> None:
     rec = record_of(req)
     if rec is None or getattr(req, "_soak_checked", False):
@@ -112,6 +125,9 @@ def run_soak(
     agents: int = 6,
     tree_core: str = "rust",
     progress: Optional[Any] = None,
+    abort_queued_p: float = 0.05,
+    abort_running_p: float = 0.05,
+    fault_p: float = 0.03,
 ) -> SoakReport:
     rng = random.Random(seed)
     report = SoakReport()
@@ -149,7 +165,7 @@ def run_soak(
                 issued += 1
                 report.requests += 1
             # Faults: a window of failing storage reads.
-            if fault_left == 0 and rng.random() < 0.03:
+            if fault_left == 0 and rng.random() < fault_p:
                 fault_left = rng.randint(1, 5)
                 report.fault_windows += 1
             flaky.failing = fault_left > 0
@@ -163,7 +179,7 @@ def run_soak(
 
                 st.cache.evict(EvictParams(num_tokens=rng.randint(1, 512), mamba_num=rng.randint(0, 8)))
             # Aborts of queued requests.
-            if h.s.waiting_queue and rng.random() < 0.05:
+            if h.s.waiting_queue and rng.random() < abort_queued_p:
                 victim = rng.choice(h.s.waiting_queue)
                 if victim is not h.s.chunked_req:
                     h.abort_queued(victim)
@@ -184,7 +200,7 @@ def run_soak(
                     if req is h.s.chunked_req:
                         continue
                     report.admitted += 1
-                    if rng.random() < 0.05:
+                    if rng.random() < abort_running_p:
                         h.abort_running(req)
                         report.aborts += 1
                     else:
@@ -194,15 +210,15 @@ def run_soak(
             # Quiet point: everything drained → pools must be at baseline.
             if draining and not h.s.waiting_queue and h.s.chunked_req is None:
                 draining = False
-                st.flush_backups()
+                st.settle()
                 st.evict_all()
                 diff = {k: st.baseline[k] - v for k, v in st.pool_sizes().items() if st.baseline[k] != v}
                 report.baseline_checks += 1
                 if diff:
-                    report.violations.append(f"pools off baseline at step {step}: {diff}")
+                    report.violations.append(f"pools off baseline at step {step}: {diff}; {_holders(st)}")
                     break
         flaky.failing = False
-        st.flush_backups()
+        st.settle()
         st.evict_all()
         report.leaked = {k: st.baseline[k] - v for k, v in st.pool_sizes().items() if st.baseline[k] != v}
         cc.storage_backend = flaky._backend

@@ -76,7 +76,7 @@ class RestoreFailed(AssertionError):
     pass
 
 
-def _pump(cache: Any, cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+def _pump(cache: Any, cond: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         cache.check_hicache_events()
@@ -330,6 +330,24 @@ class L3Stack:
             lambda: not bp.inflight_backup_node_ids and not bp.ongoing_backup and not bp.pending_write_queue,
             "L3 write-through to drain",
         )
+
+    def settle(self, timeout: float = 30.0, quiet_s: float = 1.0) -> None:
+        """Drain write-through and the controller's host-release queues: backups
+        finish in the storage thread and their staging memory comes back through
+        the release queues, so wait until nothing has moved for `quiet_s`."""
+        self.flush_backups()
+        cc = self.cache.cache_controller
+        queues = [cc.host_mem_release_queue, *getattr(cc, "extra_host_mem_release_queues", {}).values()]
+        deadline = time.monotonic() + timeout
+        last, since = None, time.monotonic()
+        while time.monotonic() < deadline:
+            self.cache.check_hicache_events()
+            now = self.pool_sizes()
+            if now != last or not all(q.empty() for q in queues):
+                last, since = now, time.monotonic()
+            elif now == self.baseline or time.monotonic() - since >= quiet_s:
+                return
+            time.sleep(0.005)
 
     def evict_all(self) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
