@@ -1,0 +1,112 @@
+"""Torch-native ports of the small Triton kernels on the Qwen3-Next GDN path."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_gated(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor] = None,
+    activation: str = "swish",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """`FusedRMSNormGated` (fla/fused_norm_gate.py, no residual):
+    rmsnorm(x) * weight (+ bias), times act(gate); fp32 inside, x.dtype out."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    gf = gate.float()
+    if activation == "sigmoid":
+        y = y * torch.sigmoid(gf)
+    elif activation in ("swish", "silu"):
+        y = y * F.silu(gf)
+    else:
+        raise NotImplementedError(f"sglang-l3 CPU gated RMSNorm: activation {activation!r}")
+    return y.to(x.dtype)
+
+
+def fused_qkvzba_split_reshape_cat(mixed_qkvz, mixed_ba, num_heads_qk, num_heads_v, head_qk, head_v):
+    """Port of `triton_gdn_fused_proj.fused_qkvzba_split_reshape_cat`; the same
+    split as upstream's own fallback `Qwen3GatedDeltaNet.fix_query_key_value_ordering`.
+
+    mixed_qkvz [T, nqk * (2*hqk + 2*r*hv)] (per qk-head groups [q | k | v | z]),
+    mixed_ba [T, nqk * 2r] ([b | a] per group), r = nv // nqk.
+    Returns mixed_qkv [T, nqk*hqk*2 + nv*hv] = [q... | k... | v...], z [T, nv, hv],
+    b [T, nv], a [T, nv]."""
+    T = mixed_qkvz.shape[0]
+    r = num_heads_v // num_heads_qk
+    grouped = mixed_qkvz.view(T, num_heads_qk, 2 * head_qk + 2 * r * head_v)
+    q, k, v, z = torch.split(grouped, [head_qk, head_qk, r * head_v, r * head_v], dim=-1)
+    mixed_qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+    ba = mixed_ba.view(T, num_heads_qk, 2 * r)
+    b, a = torch.split(ba, [r, r], dim=-1)
+    return (
+        mixed_qkv,
+        z.reshape(T, num_heads_v, head_v).contiguous(),
+        b.reshape(T, num_heads_v).contiguous(),
+        a.reshape(T, num_heads_v).contiguous(),
+    )
+
+
+def _track_rows(cache_indices, mamba_track_mask, mamba_track_indices, batch_size, check_freed_slots):
+    mask = mamba_track_mask[:batch_size].bool()
+    src = cache_indices[:batch_size][mask].long()
+    dst = mamba_track_indices[:batch_size][mask].long()
+    if check_freed_slots:
+        ok = (src >= 0) & (dst >= 0)
+        src, dst = src[ok], dst[ok]
+    return src, dst
+
+
+def track_mamba_states_if_needed(
+    conv_states, ssm_states, cache_indices, mamba_track_mask, mamba_track_indices,
+    batch_size, check_freed_slots=False,
+):
+    """Port of `mamba_state_scatter_triton.track_mamba_states_if_needed`: copy
+    the conv and SSM state of each masked row's slot into its track slot (one layer)."""
+    src, dst = _track_rows(cache_indices, mamba_track_mask, mamba_track_indices,
+                           batch_size, check_freed_slots)
+    if src.numel():
+        conv_states[dst] = conv_states[src]
+        ssm_states[dst] = ssm_states[src]
+
+
+def track_mamba_states_all_layers(
+    conv_states_pool, ssm_states_pool, cache_indices, mamba_track_mask, mamba_track_indices,
+    batch_size, check_freed_slots=False,
+):
+    """Port of `track_mamba_states_all_layers`: pools are [layers, slots, ...]."""
+    src, dst = _track_rows(cache_indices, mamba_track_mask, mamba_track_indices,
+                           batch_size, check_freed_slots)
+    if src.numel():
+        conv_states_pool[:, dst] = conv_states_pool[:, src]
+        ssm_states_pool[:, dst] = ssm_states_pool[:, src]
+
+
+def _gate_sigmoid(hidden_states: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    # element-wise product + row sum (not a matmul): a row's gate does not depend
+    # on how many rows are in the batch
+    return torch.sigmoid((hidden_states.float() * gate_weight.float()[None, :]).sum(-1))[:, None]
+
+
+def fused_gate_sigmoid_mul(hidden_states, gate_weight, shared_output):
+    """Port of `elementwise.fused_gate_sigmoid_mul`: sigmoid(h . w) * shared_output."""
+    gate = _gate_sigmoid(hidden_states, gate_weight)
+    return (gate * shared_output.float()).to(shared_output.dtype)
+
+
+def fused_gate_sigmoid_mul_add(hidden_states, gate_weight, shared_output, final_hidden_states):
+    """Port of `elementwise.fused_gate_sigmoid_mul_add`: in place,
+    final += sigmoid(h . w) * shared_output (fp32 inside)."""
+    gate = _gate_sigmoid(hidden_states, gate_weight)
+    result = gate * shared_output.float() + final_hidden_states.float()
+    final_hidden_states.copy_(result.to(final_hidden_states.dtype))

@@ -1,0 +1,31 @@
+"""Patch `tiny-model-dummy-weights`: per-parameter seeded dummy weights for the
+packaged tiny model (python/sglang_l3/models/tiny-qwen3next).
+
+Upstream defect (0.5.23): `initialize_dummy_weights` (model_loader/weight_utils.py:1740,
+called by DummyModelLoader at model_loader/loader.py:1517) seeds every parameter
+with the same seed and draws from +-1e-3, so a tiny model's greedy output is one
+repeated token and "identical output after an L3 restore" proves nothing.
+
+Acts only on a model whose config carries `"sglang_l3_dummy_init":
+"per-parameter-v1"` (our packaged config); any other model gets upstream's init.
+So it applies with or without an accelerator: the GPU e2e variant serves the
+same model with the same weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from sglang_l3.patches.framework import PatchContext
+
+
+def apply(ctx: PatchContext) -> None:
+    from sglang_l3.cpu_serving import weights
+
+    def initialize_dummy_weights(original: Callable, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if not weights.wants_per_parameter_init(model):
+            return original(model, *args, **kwargs)
+        ctx.fired("per_parameter")
+        return weights.initialize_per_parameter(model)
+
+    ctx.around("sglang.srt.model_loader.loader:initialize_dummy_weights", initialize_dummy_weights)

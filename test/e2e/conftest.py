@@ -1,0 +1,153 @@
+"""End-to-end: real `python -m sglang.launch_server` processes serving the
+packaged tiny Qwen3-Next with buffer-only HiCache over the `file` L3 backend.
+
+Every server is started and stopped here (free loopback port, start-up
+timeout, process-group kill). Servers are shared across tests where the
+scenario allows: per device, one "first" server (large device pool) and, after
+it is stopped, one "restarted" server over the same store (small device pool).
+Assertions read the server's own per-request metadata (`cached_tokens_details`:
+device / host / storage), never its logs.
+
+Variants: `cpu` (default suite; needs no accelerator, skipped where one is
+present because the cpu-serving patches are not applicable there) and `cuda`
+(marked `gpu`; skipped without a CUDA device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from l3_e2e import (
+    CHUNKED_PREFILL,
+    LARGE_POOL,
+    PAGE_SIZE,
+    PREFETCH_THRESHOLD,
+    SMALL_POOL,
+    STARTUP_TIMEOUT,
+)
+from sglang_l3.cpu_serving.server import Server, ServerConfig, warm_hicache_hash_extension
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "e2e: starts real SGLang servers (slow)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run by `run_suite.py --suite gpu`)")
+
+
+def _accelerator() -> bool:
+    from sglang_l3.cpu import accelerator_present
+
+    return accelerator_present()
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+
+
+@dataclass
+class Cluster:
+    """The servers of one device variant, in the order the scenarios need them."""
+
+    device: str
+    root: Path
+    store: Path
+    first_server: Optional[Server] = None
+    restarted_server: Optional[Server] = None
+    results: dict[str, Any] = field(default_factory=dict)
+    _stopped_first: bool = False
+    _failed: dict[str, str] = field(default_factory=dict)
+
+    def _start(self, name: str, pool: int) -> Server:
+        # a server that failed to start is not retried by every later test
+        if name in self._failed:
+            pytest.fail(f"{name} server failed to start earlier: {self._failed[name][:2000]}")
+        try:
+            return Server(self.config(pool), self.root / f"{name}.log",
+                          startup_timeout=STARTUP_TIMEOUT).start()
+        except Exception as e:
+            self._failed[name] = str(e)
+            raise
+
+    def config(self, pool: int, **kw: Any) -> ServerConfig:
+        return ServerConfig(
+            storage_dir=str(self.store), device=self.device, max_total_tokens=pool,
+            chunked_prefill_size=CHUNKED_PREFILL, prefetch_threshold=PREFETCH_THRESHOLD,
+            page_size=PAGE_SIZE, **kw,
+        )
+
+    def first(self) -> Server:
+        """Large device pool over a fresh store."""
+        if self._stopped_first:
+            raise RuntimeError("the first server was already stopped for the restart")
+        if self.first_server is None:
+            self.first_server = self._start("first", LARGE_POOL)
+        return self.first_server
+
+    def restarted(self) -> Server:
+        """Stop the first server; a new one (small device pool) over the same store."""
+        if self.restarted_server is None:
+            if self.first_server is not None:
+                self.first_server.stop()
+            self._stopped_first = True
+            self.restarted_server = self._start("restarted", SMALL_POOL)
+        return self.restarted_server
+
+    def stop(self) -> None:
+        for s in (self.first_server, self.restarted_server):
+            if s is not None:
+                s.stop()
+
+
+_CLUSTERS: dict[str, Cluster] = {}
+
+
+@pytest.fixture(scope="session")
+def hash_extension_built() -> None:
+    warm_hicache_hash_extension()
+
+
+@pytest.fixture(scope="session")
+def clusters(tmp_path_factory: pytest.TempPathFactory):
+    yield _CLUSTERS
+    for c in _CLUSTERS.values():
+        c.stop()
+
+
+@pytest.fixture
+def cluster(request: pytest.FixtureRequest, clusters, tmp_path_factory, hash_extension_built) -> Cluster:
+    device = request.param
+    if device == "cpu" and _accelerator():
+        pytest.skip("cpu-serving patches are not applicable next to an accelerator")
+    if device == "cuda" and not _cuda():
+        pytest.skip("no CUDA device")
+    if device not in clusters:
+        root = tmp_path_factory.mktemp(f"e2e-{device}")
+        clusters[device] = Cluster(device=device, root=root, store=root / "store")
+    return clusters[device]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "cluster" in metafunc.fixturenames:
+        metafunc.parametrize("cluster", DEVICES, indirect=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    for device, c in _CLUSTERS.items():
+        t = c.results.get("ttft")
+        if t:
+            terminalreporter.write_line(
+                f"[e2e {device}] TTFT for a {t['prompt_tokens']}-token prompt: "
+                f"{t['ttft_cold_s'] * 1e3:.0f} ms computed, {t['ttft_l3_s'] * 1e3:.0f} ms "
+                f"with {t['restored_tokens']} tokens restored from L3"
+            )

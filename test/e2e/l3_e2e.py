@@ -1,0 +1,60 @@
+"""Scenario constants and helpers shared by the e2e tests and their conftest
+(a module of its own: `conftest` is an ambiguous name with test/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+
+from sglang_l3.cpu_serving.server import Generation, Server, prompt
+
+STARTUP_TIMEOUT = float(os.environ.get("SGLANG_L3_E2E_STARTUP_TIMEOUT", "420"))
+
+# Scenario sizes (tokens). Storage lookups need >= PREFETCH_THRESHOLD matching
+# tokens; the Mamba state exists at 64-token checkpoints, so a prompt of n
+# tokens is restorable up to the last multiple of 64 below n.
+PREFETCH_THRESHOLD = 64
+PAGE_SIZE = 64  # one L3 file per 64 tokens and pool (page size 1 = one per token: slow)
+CHUNKED_PREFILL = 256
+P_LEN = 400
+LONG_LEN = 1000  # > CHUNKED_PREFILL: prefilled (and checkpointed) in 4 chunks
+LARGE_POOL = 4096
+SMALL_POOL = 640  # 10 pages: one agent's longest turn (480 tokens, 8 pages) fits, the
+#                   other agent keeps at most 2 pages, less than its first checkpoint (256)
+NEW_TOKENS = 16
+
+
+# --------------------------------------------------------------------------- #
+# shared scenario pieces
+# --------------------------------------------------------------------------- #
+P = prompt(1, P_LEN)
+LONG = prompt(2, LONG_LEN)
+
+
+def restorable(n: int) -> int:
+    """Tokens of an n-token prompt an L3 restore can cover (last 64-token checkpoint < n)."""
+    return (n - 1) // 64 * 64
+
+
+def run_agents(server: Server, turns: int = 3) -> list[tuple[int, int, Generation]]:
+    """Two agents, interleaved turn by turn (A1 B1 A2 B2 ...), each turn =
+    its whole history + a new 48-token user message; greedy 12 new tokens."""
+    history = {a: prompt(100 + a, 300) for a in (1, 2)}
+    out = []
+    for k in range(turns):
+        for a in (1, 2):
+            ids = history[a] + prompt(1000 * a + k, 48)
+            g = server.generate(ids, 12)
+            out.append((a, k, g))
+            history[a] = ids + g.output_ids
+    return out
+
+
+def assert_same_output(got: Generation, want: Generation, device: str, what: str) -> None:
+    assert got.output_ids == want.output_ids, f"{what}: tokens differ"
+    if device == "cpu":
+        # torch kernels, fp32 chunk states: a restore continues bit-for-bit
+        assert got.logprobs == want.logprobs, f"{what}: logprobs differ"
+    else:
+        # upstream's FLA kernel keeps chunk states in bf16 (k.dtype): close, not exact
+        diff = max((abs(x - y) for x, y in zip(got.logprobs, want.logprobs)), default=0.0)
+        assert diff < 0.1, f"{what}: logprobs differ by {diff}"

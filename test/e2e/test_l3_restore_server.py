@@ -1,0 +1,92 @@
+"""The whole buffer-only L3 restore of a Gated-DeltaNet hybrid, through a real server.
+
+In file order (the servers are shared): on the first server (large device
+pool) P -> /flush_cache -> P, a prompt longer than --chunked-prefill-size, and
+two interleaved agents for reference; then a restarted server over the same
+store (small device pool): P again, and the two agents, every turn of which
+must come back from L3 with the large pool's output.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from l3_e2e import (
+    LONG,
+    LONG_LEN,
+    NEW_TOKENS,
+    P,
+    P_LEN,
+    assert_same_output,
+    restorable,
+    run_agents,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+def test_flush_then_same_prompt_restores_from_l3(cluster):
+    s = cluster.first()
+    cold = s.generate(P, NEW_TOKENS)
+    assert cold.cached_tokens == 0, cold.meta
+    s.flush_cache()  # drops the device tree (buffer-only: no host copy either)
+    warm = s.generate(P, NEW_TOKENS)
+    assert warm.cached_device == 0 and warm.cached_host == 0, warm.meta
+    assert warm.cached_storage == restorable(P_LEN), warm.meta
+    assert warm.cached_tokens == warm.cached_storage
+    assert_same_output(warm, cold, cluster.device, "P after /flush_cache")
+    assert len(set(cold.output_ids)) > 1, "degenerate dummy weights (one repeated token)"
+    cluster.results["P"] = cold
+
+
+def test_prompt_longer_than_chunked_prefill_restores(cluster):
+    s = cluster.first()
+    cold = s.generate(LONG, NEW_TOKENS)
+    assert cold.cached_tokens == 0, cold.meta
+    s.flush_cache()
+    warm = s.generate(LONG, NEW_TOKENS)
+    assert warm.cached_device == 0, warm.meta
+    assert warm.cached_storage == restorable(LONG_LEN), warm.meta
+    assert_same_output(warm, cold, cluster.device, f"{LONG_LEN}-token prompt after /flush_cache")
+    cluster.results["ttft"] = {
+        "prompt_tokens": LONG_LEN,
+        "restored_tokens": warm.cached_storage,
+        "ttft_cold_s": cold.ttft_s,
+        "ttft_l3_s": warm.ttft_s,
+    }
+
+
+def test_interleaved_agents_reference_on_large_pool(cluster):
+    s = cluster.first()
+    s.flush_cache()
+    turns = run_agents(s)
+    # the large pool keeps both agents' histories: later turns reuse the device tree
+    for a, k, g in turns:
+        if k > 0:
+            assert g.cached_device > 0 and g.cached_storage == 0, (a, k, g.meta)
+    cluster.results["agents"] = turns
+
+
+def test_restart_restores_from_l3(cluster):
+    before = cluster.results.get("P")
+    if before is None:
+        pytest.skip("the first server's P run did not complete")
+    s = cluster.restarted()
+    after = s.generate(P, NEW_TOKENS)
+    assert after.cached_device == 0, after.meta
+    assert after.cached_storage == restorable(P_LEN), after.meta
+    assert_same_output(after, before, cluster.device, "P after a server restart")
+
+
+def test_interleaved_agents_small_pool_restore_every_turn_from_l3(cluster):
+    reference = cluster.results.get("agents")
+    if reference is None:
+        pytest.skip("the large-pool reference run did not complete")
+    s = cluster.restarted()
+    turns = run_agents(s)
+    for (a, k, got), (_, _, want) in zip(turns, reference):
+        # the pool cannot hold the other agent's history: nothing of this agent's
+        # prefix is left on the device, all of it comes back from L3
+        assert got.cached_device == 0, (a, k, got.meta)
+        assert got.cached_storage >= 256, (a, k, got.meta)
+        assert_same_output(got, want, cluster.device, f"agent {a} turn {k}")
