@@ -1,0 +1,65 @@
+"""Patch `store-file`: `--hicache-storage-backend file` -> sglang-l3's NVMe store.
+
+Upstream defects worked around (0.5.23, hicache_storage.py:728-1108):
+- one raw page per file, no header / dtype / layout / checksum ("TODO: Include
+  KV dtype and stored layout in keys", ~761): a flipped byte or a bf16 page read
+  as fp16 is served as valid KV;
+- a short read raises IOError, which get() does not catch (only
+  FileNotFoundError); a damaged file is never rewritten (set() skips existing
+  keys) (#39147 residual);
+- one page at a time, one thread, through a temporary tensor (~1.2 GB/s,
+  #26886 / #26305; #39880 proposes parallel readv/writev);
+- no fsync, default dir /tmp/hicache created with default permissions.
+
+How: two edits.
+1. StorageBackendFactory._registry["file"] loads sglang_l3.storage.backend.
+   L3FileStore instead of HiCacheFile (undone on SGLANG_L3_DISABLE=store-file).
+2. AFTER HiCacheController.attach_storage_backend: when the backend is ours,
+   select the controller's zero-copy page functions (batch_get_v1 /
+   batch_set_v1 straight on host-pool memory). Upstream picks them by backend
+   name (cache_controller.py:649-662) and "file" is not in its list, so KV
+   pages would otherwise go through a temporary flat tensor and an extra copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_l3.patches.framework import PatchContext
+
+REGISTRY = "sglang.srt.mem_cache.storage.backend_factory:StorageBackendFactory._registry"
+ATTACH = "sglang.srt.managers.cache_controller:HiCacheController.attach_storage_backend"
+MODULE, CLASS = "sglang_l3.storage.backend", "L3FileStore"
+
+
+def apply(ctx: PatchContext) -> None:
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    for name in ("_page_get_zero_copy", "_page_set_zero_copy"):
+        if not callable(getattr(HiCacheController, name, None)):
+            raise RuntimeError(f"HiCacheController.{name} not found - upstream changed")
+    registry = StorageBackendFactory._registry
+    previous = registry.get("file")
+    if previous is None:
+        raise RuntimeError("upstream registers no 'file' storage backend - upstream changed")
+
+    def loader() -> type:
+        ctx.fired("file_backend_loaded")
+        return StorageBackendFactory._load_backend_class(MODULE, CLASS, "file")
+
+    registry["file"] = {"loader": loader, "module_path": MODULE, "class_name": CLASS}
+    ctx.on_undo(lambda: registry.__setitem__("file", previous))
+
+    def select_zero_copy(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+        from sglang_l3.storage.backend import L3FileStore
+
+        backend = getattr(self, "storage_backend", None)
+        inner = getattr(backend, "_backend", backend)  # test-only failure injector wraps it
+        if isinstance(inner, L3FileStore):
+            self.page_get_func = self._page_get_zero_copy
+            self.page_set_func = self._page_set_zero_copy
+            ctx.fired("zero_copy_selected")
+        return None
+
+    ctx.after(ATTACH, select_zero_copy)

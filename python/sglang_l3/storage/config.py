@@ -1,0 +1,153 @@
+"""Store settings: `--hicache-storage-backend-extra-config` JSON, then env, then defaults.
+
+Precedence for every setting: extra_config key > SGLANG_L3_STORE_* env >
+upstream's SGLANG_HICACHE_FILE_BACKEND_* env (kept working) > default.
+Torch- and sglang-free so the CLI starts instantly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+DURABILITY_MODES = ("none", "batch")
+ODIRECT_MODES = ("auto", "on", "off")
+
+_SI = {"k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_IEC = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|k|K|M|G|T)?B?\s*$")
+
+
+class ConfigError(ValueError):
+    """A setting has a value we cannot use; the message names the setting."""
+
+
+def parse_size(value: Any, *, name: str = "size", fs_total: Optional[int] = None) -> int:
+    """'20G' (SI, like upstream's human_readable_int), '20Gi'/'20GiB' (IEC),
+    plain bytes, or 'N%' of the filesystem (needs fs_total). 0 / '' / None = off."""
+    if value is None or value == "":
+        return 0
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a size, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(f"{name}: negative size {value!r}")
+        return int(value)
+    s = str(value).strip()
+    if s.endswith("%"):
+        if fs_total is None:
+            raise ConfigError(f"{name}: a percentage needs a filesystem, got {s!r}")
+        try:
+            pct = float(s[:-1])
+        except ValueError as e:
+            raise ConfigError(f"{name}: bad percentage {s!r}") from e
+        if not 0 <= pct <= 100:
+            raise ConfigError(f"{name}: percentage out of range: {s!r}")
+        return int(fs_total * pct / 100)
+    m = _SIZE_RE.match(s)
+    if not m:
+        raise ConfigError(
+            f"{name}: cannot parse size {s!r} (examples: 200G, 180Gi, 1073741824, 5%)"
+        )
+    number, suffix = m.groups()
+    if suffix in _IEC:
+        return int(float(number) * _IEC[suffix])
+    if suffix:
+        return int(float(number) * _SI[suffix])
+    return int(float(number))
+
+
+def default_store_dir() -> Path:
+    """Under the user's cache directory (XDG), never /tmp."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sglang-l3" / "store"
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    root: Path
+    max_bytes: int = 0  # whole store for this server (split across its ranks); 0 = no cap
+    min_free: str = "5%"  # free-space floor on the filesystem (bytes or N%)
+    durability: str = "none"
+    odirect: str = "auto"
+    io_threads: int = 32
+    eviction_ratio: float = 0.9
+    quarantine_max_bytes: int = 2 * 2**30
+    model_identity: str = ""  # operator override mixed into the model identity
+
+    def min_free_bytes(self, fs_total: Optional[int]) -> int:
+        return parse_size(self.min_free, name="min_free_bytes", fs_total=fs_total or 0)
+
+    @classmethod
+    def resolve(
+        cls,
+        extra_config: Optional[Mapping[str, Any]] = None,
+        env: Optional[Mapping[str, str]] = None,
+        *,
+        explicit_dir: Optional[str] = None,
+    ) -> "StoreSettings":
+        extra = dict(extra_config or {})
+        env = os.environ if env is None else env
+
+        def pick(keys: tuple[str, ...], envs: tuple[str, ...], default: Any) -> Any:
+            for k in keys:
+                if extra.get(k) not in (None, ""):
+                    return extra[k]
+            for e in envs:
+                if env.get(e) not in (None, ""):
+                    return env[e]
+            return default
+
+        root = pick(
+            ("store_dir", "file_storage_path"),
+            ("SGLANG_L3_STORE_DIR", "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"),
+            explicit_dir or default_store_dir(),
+        )
+        max_bytes = parse_size(
+            pick(("max_bytes", "max_size"),
+                 ("SGLANG_L3_STORE_MAX_BYTES", "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"), 0),
+            name="max_bytes",
+        )
+        min_free = pick(
+            ("min_free_bytes", "min_free_space"),
+            ("SGLANG_L3_STORE_MIN_FREE_BYTES", "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE"),
+            "5%",
+        )
+        if isinstance(min_free, str) and min_free.strip() == "0":
+            min_free = 0
+        parse_size(min_free, name="min_free_bytes", fs_total=1)  # validate early
+        durability = str(pick(("durability",), ("SGLANG_L3_STORE_DURABILITY",), "none")).lower()
+        if durability not in DURABILITY_MODES:
+            raise ConfigError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
+        odirect = pick(("odirect",), ("SGLANG_L3_STORE_ODIRECT",), "auto")
+        odirect = {True: "on", False: "off", "1": "on", "0": "off", "true": "on",
+                   "false": "off"}.get(odirect if isinstance(odirect, bool) else str(odirect).lower(),
+                                       str(odirect).lower())
+        if odirect not in ODIRECT_MODES:
+            raise ConfigError(f"odirect must be one of {ODIRECT_MODES}, got {odirect!r}")
+        try:
+            threads = int(pick(("io_threads",), ("SGLANG_L3_STORE_IO_THREADS",), 32))
+            ratio = float(pick(("eviction_ratio",),
+                               ("SGLANG_L3_STORE_EVICTION_RATIO",
+                                "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO"), 0.9))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"io_threads / eviction_ratio: {e}") from e
+        if not 1 <= threads <= 256:
+            raise ConfigError(f"io_threads must be in 1..256, got {threads}")
+        if not 0.0 < ratio <= 1.0:
+            ratio = 0.9
+        qmax = parse_size(extra.get("quarantine_max_bytes", 2 * 2**30), name="quarantine_max_bytes")
+        return cls(
+            root=Path(str(root)).expanduser(),
+            max_bytes=max_bytes,
+            min_free=min_free if isinstance(min_free, str) else str(int(min_free)),
+            durability=durability,
+            odirect=odirect,
+            io_threads=threads,
+            eviction_ratio=ratio,
+            quarantine_max_bytes=qmax,
+            model_identity=str(pick(("model_identity",), ("SGLANG_L3_STORE_MODEL_IDENTITY",), "")),
+        )

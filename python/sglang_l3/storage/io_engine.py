@@ -1,0 +1,500 @@
+"""Parallel, vectored page IO straight between host buffers and files.
+
+Upstream's file backend reads/writes one page at a time on one thread through
+a temporary tensor (hicache_storage.py:865-913). Here a batch of pages is cut
+into 4 MiB checksum blocks; a thread pool runs one `preadv`/`pwritev` per
+block directly on the caller's memoryviews (the host pool's own memory), so
+the disk sees many requests in flight and no byte is copied in user space.
+Checksums are computed per block in the same worker (xxhash releases the GIL).
+
+Writes: tmp file (O_EXCL, 0600) -> fallocate -> payload blocks -> header ->
+[fdatasync] -> rename; with durability=batch the pages directory is fsynced
+once after the batch's renames. A crash leaves at most a tmp file; a page
+whose data never reached the disk fails its checksum and is a miss.
+
+Torch- and sglang-free.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from sglang_l3.storage.format import (
+    ALIGN,
+    BLOCK_BYTES,
+    Header,
+    HeaderError,
+    block_sum,
+    decode_header,
+    encode_header,
+    header_len_for,
+    n_blocks_for,
+)
+
+logger = logging.getLogger(__name__)
+
+_IOV_MAX = 512
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_ENOSPC = {errno.ENOSPC, errno.EDQUOT}
+_TOUCH_AFTER_S = 60.0
+
+
+@dataclass
+class WriteJob:
+    final_path: str
+    runs: Sequence[memoryview]
+    payload_len: int
+    meta: dict
+    # Budget gate, called right before this page's space is allocated, so a
+    # free-space check sees the pages allocated before it in the batch.
+    admit: Optional[Callable[[], bool]] = None
+
+
+@dataclass
+class ReadJob:
+    path: str
+    runs: Sequence[memoryview]
+    payload_len: int
+    # Returns a reason tag when the (self-consistent) header belongs elsewhere.
+    check: Callable[[Header], Optional[str]]
+
+
+@dataclass
+class IOResult:
+    ok: bool
+    status: str = "ok"  # ok | missing | enospc | budget | io_error | <corruption reason>
+    detail: str = ""
+    corrupt: bool = False
+    file_id: Optional[tuple[int, int]] = None  # (st_dev, st_ino) of what was read
+    direct: bool = False
+    bounce: bool = False
+
+
+def buffer_address(mv: memoryview) -> Optional[int]:
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    except (TypeError, ValueError):  # read-only or empty
+        return None
+
+
+def aligned(runs: Sequence[memoryview], a: int = ALIGN) -> bool:
+    for r in runs:
+        addr = buffer_address(r)
+        if addr is None or addr % a or r.nbytes % a:
+            return False
+    return True
+
+
+def _slice(runs: Sequence[memoryview], cum: list[int], start: int, end: int) -> list[memoryview]:
+    out = []
+    i = bisect.bisect_right(cum, start) - 1
+    while start < end and i < len(runs):
+        r0 = cum[i]
+        a = start - r0
+        b = min(end - r0, runs[i].nbytes)
+        out.append(runs[i][a:b])
+        start = r0 + b
+        i += 1
+    return out
+
+
+def _pwritev_all(fd: int, views: list[memoryview], off: int) -> None:
+    views = [v for v in views if v.nbytes]
+    while views:
+        batch = views[:_IOV_MAX]
+        n = os.pwritev(fd, batch, off)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        off += n
+        while n and views:
+            if n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+
+
+def _preadv_all(fd: int, views: list[memoryview], off: int) -> int:
+    views = [v for v in views if v.nbytes]
+    total = 0
+    while views:
+        batch = views[:_IOV_MAX]
+        n = os.preadv(fd, batch, off)
+        if n <= 0:
+            break  # EOF: caller compares with what it expected
+        off += n
+        total += n
+        while n and views:
+            if n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+    return total
+
+
+_memmove = ctypes.memmove  # a ctypes foreign call: copies without holding the GIL
+
+
+def _gather(dst: memoryview, views: list[memoryview]) -> None:
+    base, off = buffer_address(dst), 0
+    for v in views:
+        _memmove(base + off, buffer_address(v), v.nbytes)
+        off += v.nbytes
+
+
+def _scatter(src: memoryview, views: list[memoryview]) -> None:
+    base, off = buffer_address(src), 0
+    for v in views:
+        _memmove(buffer_address(v), base + off, v.nbytes)
+        off += v.nbytes
+
+
+def _aligned_buffer(nbytes: int) -> mmap.mmap:
+    return mmap.mmap(-1, max(nbytes, ALIGN))  # anonymous maps are page-aligned
+
+
+@dataclass
+class _Page:
+    index: int
+    payload_len: int
+    hlen: int
+    runs: Sequence[memoryview]
+    cum: list[int]
+    direct: bool
+    bounce: bool = False  # O_DIRECT through an aligned per-thread block (unaligned host memory)
+    fd: int = -1
+    tmp: str = ""
+    remaining: int = 0
+    sums: list = field(default_factory=list)
+    error: Optional[BaseException] = None
+    hdr: Optional[memoryview] = None
+    st_size: int = 0
+    file_id: Optional[tuple[int, int]] = None
+    st_mtime: float = 0.0
+    short: bool = False
+    header_written: bool = False
+
+
+class IOEngine:
+    def __init__(
+        self,
+        *,
+        threads: int,
+        odirect: bool,
+        durability: str,
+        tmp_dir: str,
+        pages_dir: str,
+    ):
+        self.threads = threads
+        self.odirect = bool(odirect and _O_DIRECT)
+        self.durability = durability
+        self.tmp_dir = tmp_dir
+        self.pages_dir = pages_dir
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="sglang-l3-io")
+        self._lock = threading.Lock()
+        self._tls = threading.local()
+        self._closed = False
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ utils
+    def _direct_mode(self, runs: Sequence[memoryview], payload_len: int) -> tuple[bool, bool]:
+        """(direct, bounce). O_DIRECT needs 4 KiB-aligned memory, lengths and
+        offsets. Aligned host memory (e.g. hipHostMalloc pools) is read/written
+        in place; unaligned memory (torch.empty blocks sit 64 bytes off a page)
+        goes through an aligned per-thread block: one memcpy, the same count as
+        the page cache would make, without its readahead and double caching."""
+        if not self.odirect or payload_len % ALIGN:
+            return False, False
+        return True, not aligned(runs)
+
+    def _bounce(self) -> memoryview:
+        mv = getattr(self._tls, "bounce", None)
+        if mv is None:
+            mv = memoryview(_aligned_buffer(BLOCK_BYTES))
+            self._tls.bounce = mv
+        return mv
+
+    def _open(self, path: str, flags: int, direct: bool, mode: int = 0o600) -> tuple[int, bool]:
+        if direct:
+            try:
+                return os.open(path, flags | _O_DIRECT | os.O_CLOEXEC, mode), True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                logger.warning("sglang-l3 store: O_DIRECT unsupported here (%s); using buffered IO", e)
+                self.odirect = False
+        return os.open(path, flags | os.O_CLOEXEC, mode), False
+
+    def _run(self, pages: list[_Page], task: Callable[[_Page, int], None],
+             finalize: Callable[[_Page], None]) -> None:
+        """Run every block of every page on the pool; the last block of a page
+        finalizes it in the same worker (so fdatasync/rename run in parallel)."""
+        done = threading.Semaphore(0)
+        lock = threading.Lock()
+
+        def block(page: _Page, i: int) -> None:
+            try:
+                if page.error is None:
+                    task(page, i)
+            except BaseException as e:  # recorded, never raised into the caller
+                page.error = page.error or e
+            with lock:
+                page.remaining -= 1
+                last = page.remaining == 0
+            if last:
+                try:
+                    finalize(page)
+                finally:
+                    done.release()
+
+        n = 0
+        for page in pages:
+            nb = n_blocks_for(page.payload_len)
+            page.remaining = nb
+            page.sums = [None] * nb
+            n += 1
+            for i in range(nb):
+                self._pool.submit(block, page, i)
+        for _ in range(n):
+            done.acquire()
+
+    # ------------------------------------------------------------------ write
+    def write(self, jobs: Sequence[WriteJob]) -> list[IOResult]:
+        results: list[Optional[IOResult]] = [None] * len(jobs)
+        pages: list[_Page] = []
+        hbuf = None
+        for idx, job in enumerate(jobs):
+            hlen = header_len_for(job.payload_len)
+            cum = [0]
+            for r in job.runs:
+                cum.append(cum[-1] + r.nbytes)
+            if cum[-1] != job.payload_len:
+                results[idx] = IOResult(False, "io_error", f"runs hold {cum[-1]} bytes, expected {job.payload_len}")
+                continue
+            if job.admit is not None and not job.admit():
+                results[idx] = IOResult(False, "budget")
+                continue
+            direct, bounce = self._direct_mode(job.runs, job.payload_len)
+            page = _Page(idx, job.payload_len, hlen, job.runs, cum, direct, bounce)
+            page.tmp = os.path.join(self.tmp_dir, f"{os.getpid()}-{uuid.uuid4().hex}.tmp")
+            try:
+                page.fd, page.direct = self._open(page.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, page.direct)
+                page.bounce = page.bounce and page.direct
+                try:
+                    # Early ENOSPC; the free-space floor sees this page before the next is admitted;
+                    # parallel O_DIRECT writes into allocated blocks do not serialize on the inode.
+                    os.posix_fallocate(page.fd, 0, hlen + job.payload_len)
+                except OSError as e:
+                    if e.errno in _ENOSPC:
+                        raise
+            except OSError as e:
+                self._discard(page)
+                results[idx] = self._error_result(e)
+                continue
+            pages.append(page)
+        if pages:
+            if any(p.direct for p in pages):
+                hbuf = _aligned_buffer(sum(p.hlen for p in pages))
+            off = 0
+            for p in pages:
+                if p.direct:
+                    p.hdr = memoryview(hbuf)[off : off + p.hlen]
+                    off += p.hlen
+
+            def task(p: _Page, i: int) -> None:
+                a, b = i * BLOCK_BYTES, min((i + 1) * BLOCK_BYTES, p.payload_len)
+                views = _slice(p.runs, p.cum, a, b)
+                if p.bounce:
+                    blk = self._bounce()[: b - a]
+                    _gather(blk, views)
+                    views = [blk]
+                p.sums[i] = block_sum(views)
+                if len(p.sums) == 1:  # one-block page: header + payload in one request
+                    _pwritev_all(p.fd, [self._header_view(p, jobs[p.index].meta)] + views, 0)
+                    p.header_written = True
+                else:
+                    _pwritev_all(p.fd, views, p.hlen + a)
+
+            def finalize(p: _Page) -> None:
+                job = jobs[p.index]
+                try:
+                    if p.error is not None:
+                        raise p.error
+                    if not p.header_written:
+                        _pwritev_all(p.fd, [self._header_view(p, job.meta)], 0)
+                    if self.durability == "batch":
+                        os.fdatasync(p.fd)
+                    os.close(p.fd)
+                    p.fd = -1
+                    os.rename(p.tmp, job.final_path)
+                    results[p.index] = IOResult(True, direct=p.direct, bounce=p.bounce)
+                except BaseException as e:
+                    self._discard(p)
+                    results[p.index] = self._error_result(e)
+                finally:
+                    p.hdr = None
+
+            self._run(pages, task, finalize)
+            if self.durability == "batch" and any(results[p.index].ok for p in pages):
+                try:
+                    dfd = os.open(self.pages_dir, os.O_RDONLY | os.O_DIRECTORY)
+                    try:
+                        os.fsync(dfd)
+                    finally:
+                        os.close(dfd)
+                except OSError as e:  # renames happened; only durability is in doubt
+                    logger.warning("sglang-l3 store: directory fsync failed: %s", e)
+        return [r if r is not None else IOResult(False, "io_error", "not run") for r in results]
+
+    @staticmethod
+    def _header_view(p: _Page, meta: dict) -> memoryview:
+        header = encode_header(meta, p.payload_len, p.sums)
+        if p.hdr is None:
+            return memoryview(header)
+        p.hdr[:] = header  # aligned buffer for O_DIRECT
+        return p.hdr
+
+    @staticmethod
+    def _discard(p: _Page) -> None:
+        if p.fd >= 0:
+            try:
+                os.close(p.fd)
+            except OSError:
+                pass
+            p.fd = -1
+        if p.tmp:
+            try:
+                os.unlink(p.tmp)
+            except OSError:
+                pass
+
+    @staticmethod
+    def _error_result(e: BaseException) -> IOResult:
+        if isinstance(e, OSError) and e.errno in _ENOSPC:
+            return IOResult(False, "enospc", str(e))
+        if isinstance(e, FileNotFoundError):
+            return IOResult(False, "missing", str(e))
+        return IOResult(False, "io_error", f"{type(e).__name__}: {e}")
+
+    # ------------------------------------------------------------------- read
+    def read(self, jobs: Sequence[ReadJob]) -> list[IOResult]:
+        results: list[Optional[IOResult]] = [None] * len(jobs)
+        pages: list[_Page] = []
+        for idx, job in enumerate(jobs):
+            hlen = header_len_for(job.payload_len)
+            cum = [0]
+            for r in job.runs:
+                cum.append(cum[-1] + r.nbytes)
+            if cum[-1] != job.payload_len:
+                results[idx] = IOResult(False, "io_error", f"runs hold {cum[-1]} bytes, expected {job.payload_len}")
+                continue
+            direct, bounce = self._direct_mode(job.runs, job.payload_len)
+            page = _Page(idx, job.payload_len, hlen, job.runs, cum, direct, bounce)
+            try:
+                page.fd, page.direct = self._open(job.path, os.O_RDONLY, page.direct)
+                page.bounce = page.bounce and page.direct
+                st = os.fstat(page.fd)
+            except OSError as e:
+                self._discard_read(page)
+                results[idx] = self._error_result(e)
+                continue
+            page.st_size, page.st_mtime = st.st_size, st.st_mtime
+            page.file_id = (st.st_dev, st.st_ino)
+            if st.st_size != hlen + job.payload_len:
+                # Truncated, zero-length or foreign: decided without reading.
+                self._discard_read(page)
+                what = "zero-length" if st.st_size == 0 else f"{st.st_size} bytes"
+                results[idx] = IOResult(False, "size", f"{what}, expected {hlen + job.payload_len}",
+                                        corrupt=True, file_id=page.file_id)
+                continue
+            pages.append(page)
+        if not pages:
+            return [r for r in results]  # type: ignore[misc]
+        hbuf = _aligned_buffer(sum(p.hlen for p in pages))
+        off = 0
+        for p in pages:
+            p.hdr = memoryview(hbuf)[off : off + p.hlen]
+            off += p.hlen
+
+        def task(p: _Page, i: int) -> None:
+            a, b = i * BLOCK_BYTES, min((i + 1) * BLOCK_BYTES, p.payload_len)
+            views = _slice(p.runs, p.cum, a, b)
+            want = b - a
+            dst = [self._bounce()[:want]] if p.bounce else views
+            if i == 0:
+                got = _preadv_all(p.fd, [p.hdr] + dst, 0) - p.hlen
+            else:
+                got = _preadv_all(p.fd, dst, p.hlen + a)
+            if got != want:
+                p.short = True
+                return
+            p.sums[i] = block_sum(dst)
+            if p.bounce:
+                _scatter(dst[0], views)
+
+        def finalize(p: _Page) -> None:
+            job = jobs[p.index]
+            try:
+                if p.error is not None:
+                    raise p.error
+                if p.short:
+                    raise HeaderError("truncated", "short read")
+                header = decode_header(p.hdr, p.st_size)
+                if header.payload_len != p.payload_len:
+                    raise HeaderError("geometry", f"payload {header.payload_len} != {p.payload_len}")
+                reason = job.check(header)
+                if reason:
+                    raise HeaderError("identity", reason)
+                bad = [i for i, (x, y) in enumerate(zip(header.sums, p.sums)) if x != y]
+                if bad:
+                    raise HeaderError("checksum", f"payload blocks {bad[:4]} do not match")
+                if not p.direct:
+                    try:  # the bytes now live in host memory; don't keep a second copy
+                        os.posix_fadvise(p.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    except OSError:
+                        pass
+                if time.time() - p.st_mtime > _TOUCH_AFTER_S:
+                    try:  # recency survives restarts (the evictor seeds LRU from mtime)
+                        os.utime(p.fd)
+                    except OSError:
+                        pass
+                results[p.index] = IOResult(True, file_id=p.file_id, direct=p.direct, bounce=p.bounce)
+            except HeaderError as e:
+                results[p.index] = IOResult(False, e.reason, e.detail, corrupt=True, file_id=p.file_id)
+            except BaseException as e:
+                r = self._error_result(e)
+                r.file_id = p.file_id
+                results[p.index] = r
+            finally:
+                p.hdr = None
+                self._discard_read(p)
+
+        self._run(pages, task, finalize)
+        return [r if r is not None else IOResult(False, "io_error", "not run") for r in results]
+
+    @staticmethod
+    def _discard_read(p: _Page) -> None:
+        if p.fd >= 0:
+            try:
+                os.close(p.fd)
+            except OSError:
+                pass
+            p.fd = -1

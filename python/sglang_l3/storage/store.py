@@ -1,0 +1,445 @@
+"""PageStore: the torch-free core of the L3 store (names, IO, checks, budget).
+
+The HiCacheStorage adapter (backend.py) turns host-pool pages into memoryview
+runs and calls `exists` / `read` / `write` here. Every failure is a result,
+never an exception: a bad page is a miss, counted and moved to quarantine/.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from sglang_l3.storage import metrics
+from sglang_l3.storage.config import StoreSettings
+from sglang_l3.storage.evictor import fs_usage, make_evictor
+from sglang_l3.storage.format import (
+    CHECKSUM_NAME,
+    PAGE_SUFFIX,
+    Header,
+    PageName,
+    file_len_for,
+    parse_page_name,
+)
+from sglang_l3.storage.identity import ModelIdentity, PoolLayout, Shard, diff
+from sglang_l3.storage.io_engine import IOEngine, ReadJob, WriteJob
+from sglang_l3.storage.safety import ensure_store_dir, valid_key, valid_pool
+
+logger = logging.getLogger(__name__)
+
+_TMP_MAX_AGE_S = 24 * 3600
+_STRAY_MIN_AGE_S = 60
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    layout: PoolLayout
+    digest: str
+    replicated: bool  # TP-replicated (MLA KV): one file shared by all TP ranks
+    payload_len: int
+    file_len: int
+
+
+@dataclass
+class WriteItem:
+    key: str
+    spec: PoolSpec
+    runs: Sequence[memoryview]
+    prior: Optional[str] = None  # previous page key in the hash chain ("" = first page)
+    depth: int = -1  # page index from the sequence start (-1 = unknown)
+
+
+@dataclass
+class ReadItem:
+    key: str
+    spec: PoolSpec
+    runs: Sequence[memoryview]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class PageStore:
+    def __init__(
+        self,
+        settings: StoreSettings,
+        model: ModelIdentity,
+        shard: Shard,
+        *,
+        replicated_writer: bool = True,
+        sweep_strays: Optional[bool] = None,
+    ):
+        self.settings = settings
+        self.model = model
+        self.shard = shard
+        self.mid = model.digest()
+        self.root = ensure_store_dir(settings.root)
+        self.pages_dir = str(self.root / "pages")
+        self.tmp_dir = str(self.root / "tmp")
+        self.quarantine_dir = str(self.root / "quarantine")
+        self.counters = metrics.Counters()
+        self._qlock = threading.Lock()
+        self._cleanup_tmp()
+        self._write_manifest()
+        self.odirect = self._probe_odirect(settings.odirect)
+        self.engine = IOEngine(
+            threads=settings.io_threads,
+            odirect=self.odirect,
+            durability=settings.durability,
+            tmp_dir=self.tmp_dir,
+            pages_dir=self.pages_dir,
+        )
+        self.own_suffix = f".{self.mid}.{shard.name()}"
+        self.shared_suffix = f".{self.mid}.{shard.name(replicated=True)}"
+        self._replicated_writer = replicated_writer
+        owned = (self.own_suffix,) + ((self.shared_suffix,) if replicated_writer else ())
+        total, _ = fs_usage(self.pages_dir)
+        writers = max(1, shard.tp_size * shard.pp_size * shard.cp_size)
+        self.max_bytes_rank = settings.max_bytes // writers if settings.max_bytes else 0
+        self.min_free_bytes = settings.min_free_bytes(total)
+        self.evictor = make_evictor(
+            self.pages_dir,
+            owned_suffixes=owned,
+            tp_rank=shard.tp_rank,
+            max_bytes=self.max_bytes_rank,
+            min_free_bytes=self.min_free_bytes,
+            eviction_ratio=settings.eviction_ratio,
+            on_evict=lambda _stem: self.counters.inc("evicted"),
+        )
+        metrics.register(self)
+        if sweep_strays is None:
+            sweep_strays = shard.tp_rank == 0 and shard.pp_rank == 0 and shard.cp_rank == 0
+        if sweep_strays:
+            threading.Thread(target=self._sweep_strays, name="sglang-l3-sweep", daemon=True).start()
+        logger.info(
+            "sglang-l3 store at %s (model %s, shard %s): odirect=%s durability=%s threads=%d "
+            "cap/rank=%s min_free=%s",
+            self.root, self.mid, shard.name(), self.odirect, settings.durability,
+            settings.io_threads, self.max_bytes_rank or "none", self.min_free_bytes,
+        )
+
+    # ------------------------------------------------------------- start-up
+    def _cleanup_tmp(self) -> None:
+        """Leftovers of writers that died (kill -9, crash). Tmp names start with
+        the writer's pid, so a live writer's (another rank's) files are kept."""
+        now = time.time()
+        for name in os.listdir(self.tmp_dir):
+            path = os.path.join(self.tmp_dir, name)
+            try:
+                pid = int(name.split("-", 1)[0])
+            except ValueError:
+                pid = -1
+            try:
+                old = now - os.lstat(path).st_mtime > _TMP_MAX_AGE_S
+                if pid == os.getpid() or pid <= 0 or not _pid_alive(pid) or old:
+                    os.unlink(path)
+                    self.counters.inc("tmp_cleaned")
+            except OSError:
+                pass
+
+    def _write_manifest(self) -> None:
+        path = self.root / "models" / f"{self.mid}.json"
+        body = json.dumps({"mid": self.mid, "identity": self.model.as_dict()}, sort_keys=True, indent=1)
+        try:
+            if path.exists() and path.read_text() == body:
+                return
+            tmp = self.root / "tmp" / f"{os.getpid()}-manifest-{self.mid}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(body)
+            os.replace(tmp, path)
+        except OSError as e:  # informational only (CLI names models with it)
+            logger.warning("sglang-l3 store: cannot write model manifest %s: %s", path, e)
+
+    def _probe_odirect(self, mode: str) -> bool:
+        if mode == "off" or not hasattr(os, "O_DIRECT"):
+            return False
+        probe = os.path.join(self.tmp_dir, f"{os.getpid()}-odirect-probe.tmp")
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+            os.close(fd)
+            return True
+        except OSError as e:
+            if mode == "on":
+                logger.warning("sglang-l3 store: odirect=on but %s refuses O_DIRECT (%s)", self.root, e)
+            return False
+        finally:
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
+
+    def _sweep_strays(self) -> None:
+        """Files in pages/ that are not pages (and not fresh) go to quarantine."""
+        try:
+            now = time.time()
+            with os.scandir(self.pages_dir) as it:
+                for e in it:
+                    if parse_page_name(e.name) is not None:
+                        continue
+                    try:
+                        if now - e.stat(follow_symlinks=False).st_mtime < _STRAY_MIN_AGE_S:
+                            continue
+                    except OSError:
+                        continue
+                    self.quarantine(e.path, "stray")
+        except Exception as ex:  # background hygiene; never fatal
+            logger.warning("sglang-l3 store: stray sweep failed: %s", ex)
+
+    # ---------------------------------------------------------------- names
+    def pool_spec(self, layout: PoolLayout, *, replicated: bool = False) -> PoolSpec:
+        if not valid_pool(layout.pool):
+            raise ValueError(f"invalid pool name {layout.pool!r}")
+        if layout.payload_bytes <= 0:
+            raise ValueError(f"pool {layout.pool!r} has an empty page")
+        return PoolSpec(layout, layout.digest(), replicated, layout.payload_bytes,
+                        file_len_for(layout.payload_bytes))
+
+    def page_name(self, key: str, spec: PoolSpec) -> PageName:
+        return PageName(key, spec.layout.pool, spec.digest, self.mid,
+                        self.shard.name(replicated=spec.replicated))
+
+    def path_of(self, key: str, spec: PoolSpec) -> str:
+        return os.path.join(self.pages_dir, self.page_name(key, spec).filename)
+
+    def _owned(self, spec: PoolSpec) -> bool:
+        return not spec.replicated or self._replicated_writer
+
+    # --------------------------------------------------------------- exists
+    def exists(self, items: Sequence[tuple[str, PoolSpec]]) -> list[bool]:
+        """Present with the exact size a valid page has. A wrong-size file is
+        quarantined here, so the hit count never promises an unreadable page."""
+        out = []
+        for key, spec in items:
+            if not valid_key(key):
+                self.counters.inc("invalid_keys")
+                out.append(False)
+                continue
+            path = self.path_of(key, spec)
+            try:
+                st = os.stat(path)
+            except OSError:
+                out.append(False)
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_size != spec.file_len:
+                self.quarantine(path, "size", (st.st_dev, st.st_ino))
+                out.append(False)
+                continue
+            out.append(True)
+        self.counters.inc("exists_queries", len(items))
+        self.counters.inc("exists_hits", sum(out))
+        return out
+
+    # ----------------------------------------------------------------- read
+    def _checker(self, key: str, spec: PoolSpec, name: PageName):
+        def check(h: Header) -> Optional[str]:
+            m = h.meta
+            if m.get("key") != key or m.get("pool") != spec.layout.pool:
+                return f"page is {m.get('key')!r}/{m.get('pool')!r}, wanted {key!r}/{spec.layout.pool!r}"
+            if m.get("mid") != self.mid:
+                d = diff(self.model.as_dict(), m.get("model") or {})
+                return "another model identity: " + ("; ".join(d[:4]) or m.get("mid", "?"))
+            if m.get("shard") != name.shard:
+                return f"shard {m.get('shard')!r}, wanted {name.shard!r}"
+            if m.get("pool_digest") != spec.digest:
+                d = diff(spec.layout.as_dict(), m.get("pool_layout") or {})
+                return "another page layout: " + ("; ".join(d[:4]) or m.get("pool_digest", "?"))
+            return None
+
+        return check
+
+    def read(self, items: Sequence[ReadItem]) -> list[bool]:
+        out = [False] * len(items)
+        jobs, where = [], []
+        for i, it in enumerate(items):
+            if not valid_key(it.key):
+                self.counters.inc("invalid_keys")
+                continue
+            name = self.page_name(it.key, it.spec)
+            path = os.path.join(self.pages_dir, name.filename)
+            jobs.append(ReadJob(path, it.runs, it.spec.payload_len, self._checker(it.key, it.spec, name)))
+            where.append((i, name))
+        t0 = time.perf_counter()
+        results = self.engine.read(jobs) if jobs else []
+        self.counters.inc("read_seconds", time.perf_counter() - t0)
+        for (i, name), job, r in zip(where, jobs, results):
+            self.counters.inc("read_pages")
+            if r.ok:
+                out[i] = True
+                self.counters.inc("read_hits")
+                self.counters.inc("read_bytes", job.payload_len)
+                if r.direct:
+                    self.counters.inc("read_direct")
+                if r.bounce:
+                    self.counters.inc("read_bounce")
+                if self.evictor is not None and self._owned(items[i].spec):
+                    self.evictor.touch(name.stem, job.path)
+            elif r.corrupt:
+                logger.warning("sglang-l3 store: page %s is unusable (%s: %s); treated as a miss",
+                               name.filename, r.status, r.detail)
+                self.quarantine(job.path, r.status, r.file_id)
+            elif r.status == "missing":
+                self.counters.inc("read_missing")
+            else:
+                self.counters.inc("read_errors")
+                logger.warning("sglang-l3 store: read of %s failed: %s", name.filename, r.detail)
+        return out
+
+    # ---------------------------------------------------------------- write
+    def write(self, items: Sequence[WriteItem]) -> list[bool]:
+        out = [False] * len(items)
+        jobs, where = [], []
+        first_of: dict[str, int] = {}
+        dup: list[tuple[int, int]] = []
+        for i, it in enumerate(items):
+            if not valid_key(it.key):
+                self.counters.inc("invalid_keys")
+                continue
+            name = self.page_name(it.key, it.spec)
+            if name.stem in first_of:
+                dup.append((i, first_of[name.stem]))
+                continue
+            first_of[name.stem] = i
+            path = os.path.join(self.pages_dir, name.filename)
+            if self.exists([(it.key, it.spec)])[0]:
+                # Same key = same tokens = same bytes; refresh recency only.
+                out[i] = True
+                self.counters.inc("write_skipped_existing")
+                if self.evictor is not None and self._owned(it.spec):
+                    self.evictor.touch(name.stem, path)
+                continue
+            owned = self.evictor is not None and self._owned(it.spec)
+            admit = None
+            if owned:
+                admit = (lambda stem, n, k: lambda: self.evictor.reserve(stem, n, key=k))(
+                    name.stem, it.spec.file_len, it.key)
+            meta = {
+                "key": it.key,
+                "pool": it.spec.layout.pool,
+                "mid": self.mid,
+                "shard": name.shard,
+                "pool_digest": it.spec.digest,
+                "model": self.model.as_dict(),
+                "pool_layout": it.spec.layout.as_dict(),
+                "prior": it.prior,
+                "depth": it.depth,
+                "checksum": CHECKSUM_NAME,
+                "created": round(time.time(), 3),
+            }
+            jobs.append(WriteJob(path, it.runs, it.spec.payload_len, meta, admit))
+            where.append((i, name, owned))
+        t0 = time.perf_counter()
+        results = self.engine.write(jobs) if jobs else []
+        self.counters.inc("write_seconds", time.perf_counter() - t0)
+        for (i, name, owned), job, r in zip(where, jobs, results):
+            self.counters.inc("write_pages")
+            if r.ok:
+                out[i] = True
+                self.counters.inc("write_ok")
+                self.counters.inc("write_bytes", job.payload_len)
+                if r.direct:
+                    self.counters.inc("write_direct")
+                if r.bounce:
+                    self.counters.inc("write_bounce")
+                if owned:
+                    self.evictor.commit(name.stem)
+                continue
+            if r.status == "budget":  # refused before anything was reserved
+                self.counters.inc("write_dropped_budget")
+                continue
+            if owned:
+                self.evictor.abort(name.stem)
+            if r.status == "enospc":
+                self.counters.inc("write_enospc")
+                logger.warning("sglang-l3 store: disk full writing %s; page dropped, serving continues",
+                               name.filename)
+            else:
+                self.counters.inc("write_errors")
+                logger.warning("sglang-l3 store: write of %s failed: %s", name.filename, r.detail)
+        for i, j in dup:
+            out[i] = out[j]
+        return out
+
+    # ----------------------------------------------------------- quarantine
+    def quarantine(self, path: str, reason: str, file_id: Optional[tuple[int, int]] = None) -> bool:
+        """Move a bad file aside (kept for inspection, bounded in size)."""
+        base = os.path.basename(path)
+        try:
+            st = os.lstat(path)
+            if file_id is not None and (st.st_dev, st.st_ino) != file_id:
+                return False  # replaced by a fresh write since we looked
+            dest = os.path.join(self.quarantine_dir, f"{time.time_ns()}-{reason}-{base}")
+            os.rename(path, dest)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            logger.warning("sglang-l3 store: cannot quarantine %s: %s; removing it", path, e)
+            try:
+                os.unlink(path)
+            except OSError:
+                return False
+        self.counters.inc("quarantined")
+        self.counters.inc(f"quarantined_{reason}")
+        parsed = parse_page_name(base)
+        if parsed is not None and self.evictor is not None:
+            self.evictor.abort(parsed.stem)  # forget it: not ours to count any more
+        self._bound_quarantine()
+        return True
+
+    def _bound_quarantine(self) -> None:
+        with self._qlock:
+            try:
+                entries = []
+                with os.scandir(self.quarantine_dir) as it:
+                    for e in it:
+                        try:
+                            entries.append((e.name, e.stat(follow_symlinks=False).st_size, e.path))
+                        except OSError:
+                            pass
+                entries.sort()  # names start with a timestamp: oldest first
+                total = sum(s for _, s, _ in entries)
+                for _, size, p in entries:
+                    if total <= self.settings.quarantine_max_bytes:
+                        break
+                    os.unlink(p)
+                    total -= size
+            except OSError as e:
+                logger.warning("sglang-l3 store: quarantine trim failed: %s", e)
+
+    # ---------------------------------------------------------------- admin
+    def clear_own(self) -> int:
+        """Remove this rank's pages (and the shared ones if it writes them)."""
+        n = 0
+        suffixes = (self.own_suffix + PAGE_SUFFIX,) + (
+            (self.shared_suffix + PAGE_SUFFIX,) if self._replicated_writer else ()
+        )
+        with os.scandir(self.pages_dir) as it:
+            for e in it:
+                if e.name.endswith(suffixes):
+                    try:
+                        os.unlink(e.path)
+                        n += 1
+                    except OSError:
+                        pass
+        if self.evictor is not None:
+            self.evictor.clear()
+        return n
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+__all__ = ["PageStore", "PoolSpec", "ReadItem", "WriteItem"]
