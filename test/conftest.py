@@ -48,3 +48,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords or "rdna3" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """For the upstream kits: how many cases were composed, passed, skipped."""
+    stats = terminalreporter.stats
+
+    def count(key: str) -> int:
+        return sum(1 for r in stats.get(key, []) if "upstream/test_kits.py" in str(getattr(r, "nodeid", "")))
+
+    composed = sum(count(k) for k in ("passed", "failed", "skipped", "error"))
+    if composed:
+        terminalreporter.write_line(
+            f"[upstream kits] composed={composed} passed={count('passed')} "
+            f"skipped={count('skipped')} failed={count('failed') + count('error')}"
+        )
