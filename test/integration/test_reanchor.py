@@ -18,22 +18,9 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector, 
 from sglang_l3 import metrics
 from sglang_l3.cpu.scheduler_harness import SchedulerHarness
 from sglang_l3.cpu.stack import HybridSpec, L3Stack
-from sglang_l3.patches import framework
 from sglang_l3.patches.reanchor import ReanchorViolation, record_of
 
 EXTRA = [90001, 90002, 90003, 90004]
-
-
-def _spec(pid: str):
-    return next(s for s in framework.load_series() if s.id == pid)
-
-
-@pytest.fixture
-def without(request):
-    pid = request.param
-    framework.undo(pid)
-    yield pid
-    framework.apply_one(_spec(pid))
 
 
 @pytest.fixture(params=[1, 4, 64], ids=lambda p: f"page{p}")
@@ -135,9 +122,9 @@ def test_verify_mode_catches_a_corrupted_state(tmp_path, monkeypatch) -> None:
             h.forward(None)
 
 
-def test_bound_before_anything_observes(tmp_path) -> None:
-    """Right after init_load_back returns, the request already points at N."""
-    seen = {}
+def _observe_binding(tmp_path) -> dict:
+    """Restore once; record req.last_node as seen right after init_load_back returns."""
+    seen: dict = {}
     installed = BufferModePipeline.init_load_back
 
     def observer(self, params):
@@ -157,32 +144,18 @@ def test_bound_before_anything_observes(tmp_path) -> None:
             h.finish(req)
     finally:
         BufferModePipeline.init_load_back = installed
-    return_seen = seen
-    assert return_seen["last_node"] == return_seen["n"]
+    return seen
+
+
+def test_bound_before_anything_observes(tmp_path) -> None:
+    """Right after init_load_back returns, the request already points at N."""
+    seen = _observe_binding(tmp_path)
+    assert seen["last_node"] == seen["n"]
 
 
 @pytest.mark.parametrize("without", ["reanchor"], indirect=True)
 def test_negative_control_without_reanchor_request_keeps_old_node(tmp_path, without) -> None:
-    seen = {}
-    installed = BufferModePipeline.init_load_back
-
-    def observer(self, params):
-        out = installed(self, params)
-        if out is not None:
-            seen["last_node"], seen["n"] = params.req.last_node, out[1]
-        return out
-
-    BufferModePipeline.init_load_back = observer
-    try:
-        with L3Stack(HybridSpec(page_size=4), str(tmp_path)) as st:
-            seq = _seq(st)
-            _stored(st, seq)
-            h = SchedulerHarness(st)
-            req = h.make_req(seq + EXTRA)
-            h.forward(_admit_restored(h, req))
-            h.finish(req)
-    finally:
-        BufferModePipeline.init_load_back = installed
+    seen = _observe_binding(tmp_path)
     assert seen["last_node"] != seen["n"], "upstream 0.5.23 rebinds only in the caller"
 
 

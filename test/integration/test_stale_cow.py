@@ -19,20 +19,6 @@ import torch
 from sglang_l3 import metrics
 from sglang_l3.cpu.scheduler_harness import SchedulerHarness
 from sglang_l3.cpu.stack import HybridSpec, L3Stack
-from sglang_l3.patches import framework
-
-
-def _spec(pid: str):
-    return next(s for s in framework.load_series() if s.id == pid)
-
-
-@pytest.fixture
-def without(request):
-    """Run a test with the named patch removed (negative control), then restore it."""
-    pid = request.param
-    framework.undo(pid)
-    yield pid
-    framework.apply_one(_spec(pid))
 
 
 def _take_slot(st: L3Stack, wanted: int) -> list:

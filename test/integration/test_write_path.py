@@ -18,21 +18,9 @@ import pytest
 from sglang_l3 import metrics
 from sglang_l3.cpu.scheduler_harness import SchedulerHarness
 from sglang_l3.cpu.stack import TREE_CORES, HybridSpec, L3Stack
-from sglang_l3.patches import framework
 from sglang_l3.storage import metrics as store_metrics
 
 import torch
-
-
-def _spec_of(pid: str):
-    return next(s for s in framework.load_series() if s.id == pid)
-
-
-@pytest.fixture
-def without_branch_backup():
-    framework.undo("branch-backup")
-    yield
-    framework.apply_one(_spec_of("branch-backup"))
 
 
 @pytest.fixture(params=TREE_CORES)
@@ -90,7 +78,8 @@ def test_branch_point_state_reaches_l3(tmp_path, core: str) -> None:
     assert metrics.get("branch_backups", "queued") > before
 
 
-def test_branch_point_lost_without_patch(tmp_path, core: str, without_branch_backup) -> None:
+@pytest.mark.parametrize("without", ["branch-backup"], indirect=True)
+def test_branch_point_lost_without_patch(tmp_path, core: str, without) -> None:
     restored, _ = _branch_point_run(tmp_path, core)
     assert restored == 0  # upstream 0.5.23: KV for [0,256) is in L3, its state is not
 
@@ -116,7 +105,8 @@ def test_state_on_existing_node(tmp_path, core: str, case: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["branch", "split_parent"])
-def test_state_on_existing_node_without_patch(tmp_path, case: str, without_branch_backup) -> None:
+@pytest.mark.parametrize("without", ["branch-backup"], indirect=True)
+def test_state_on_existing_node_without_patch(tmp_path, case: str, without) -> None:
     seqs = [A24, B24, T16] if case == "branch" else [A24, T16]
     assert _write_then_probe(tmp_path, "rust", seqs) == 0
 
