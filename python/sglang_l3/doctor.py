@@ -100,7 +100,11 @@ def check_plugin() -> Check:
 def check_patches() -> Check:
     from sglang_l3.patches import framework
 
-    statuses = framework.apply_all(strict=False)
+    applied = framework.apply_all(strict=False)
+    # A later patch can apply an earlier one (cpu-serving enables cpu-host-pools),
+    # so report the final state of each, not the one seen in passing.
+    current = framework.status()
+    statuses = [current.get(s.spec.id, s) for s in applied]
     rows = [s.as_dict() for s in statuses]
     bad = [s for s in statuses if s.state in (framework.State.DRIFTED, framework.State.FAILED)]
     detail = ", ".join(f"{s.spec.id}: {s.state.value}" for s in statuses)
