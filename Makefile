@@ -5,6 +5,9 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 STAMP   := $(VENV)/.sglang-l3-installed
 SUITE   ?= cpu
+# JIT-built torch extensions (HiCache's page hash) per venv: a build shared
+# between venvs is rebuilt on each switch, inside a serving thread.
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
 .PHONY: install test test-upstream demo demo-stack demo-server bench soak doctor
 

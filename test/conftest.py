@@ -9,6 +9,9 @@ import sys
 import pytest
 
 os.environ.setdefault("SGLANG_L3_TEST", "1")
+# One JIT build of HiCache's hash extension per venv, inherited by test servers
+# (a build dir shared between venvs is rebuilt on every switch).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 
