@@ -8,6 +8,7 @@ counters are exported as `sglang_l3_<name>_total{reason=...}`.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -69,6 +70,10 @@ def collect_published() -> dict[str, int]:
             with open(path) as f:
                 data = json.load(f)
             os.kill(int(data["pid"]), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.remove(path)  # a finished server's counters
+            continue
         except (OSError, ValueError, KeyError):
             continue
         total.update(data.get("counters", {}))
