@@ -75,14 +75,7 @@ def _run(label: str, prompts: list[list[int]], seed: int, store_dir: str) -> Res
     with L3Stack(spec, store_dir, extra_config=extra) as st:
         h = SchedulerHarness(st, chunked_prefill_size=256)
         for i, p in enumerate(prompts):
-            req = h.make_req(p, rid=f"{label}{i}")
-            h.arrive(req)
-            h.wait_prefetch(req)
-            h.forward(h.admit())
-            while h.s.chunked_req is not None:
-                h.stash_chunk()
-                h.forward(h.admit())
-            h.finish(req)
+            h.serve(h.make_req(p, rid=f"{label}{i}"))
             st.flush_backups()
             if rng.random() < 0.6:
                 st.evict_all()

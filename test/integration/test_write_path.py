@@ -30,14 +30,7 @@ def core(request) -> str:
 
 def _serve(h: SchedulerHarness, seq: list[int]) -> None:
     """One request through admission → forward (all chunks) → finish, then drain L3 writes."""
-    req = h.make_req(seq)
-    h.arrive(req)
-    h.wait_prefetch(req)
-    h.forward(h.admit())
-    while h.s.chunked_req is not None:
-        h.stash_chunk()
-        h.forward(h.admit())
-    h.finish(req)
+    h.serve(h.make_req(seq))
     h.stack.flush_backups()
 
 

@@ -178,6 +178,16 @@ class SchedulerHarness:
         if chunked is not None and chunked.inflight_middle_chunks > 0:
             chunked.inflight_middle_chunks -= 1  # the result of this chunk is in
 
+    def serve(self, req: Any) -> None:
+        """One request, alone: arrival → admission → every chunk → finish."""
+        self.arrive(req)
+        self.wait_prefetch(req)
+        self.forward(self.admit())
+        while self.s.chunked_req is not None:
+            self.stash_chunk()
+            self.forward(self.admit())
+        self.finish(req)
+
     def stash_chunk(self) -> None:
         """What the next scheduling step does with a chunked request first."""
         req = self.s.chunked_req

@@ -109,6 +109,17 @@ def _slice(runs: Sequence[memoryview], cum: list[int], start: int, end: int) -> 
     return out
 
 
+def _consume(views: list[memoryview], n: int) -> None:
+    """Drop the first n bytes from a vectored-IO list (a short pwritev/preadv)."""
+    while n and views:
+        if n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
+
+
 def _pwritev_all(fd: int, views: list[memoryview], off: int) -> None:
     views = [v for v in views if v.nbytes]
     while views:
@@ -117,13 +128,7 @@ def _pwritev_all(fd: int, views: list[memoryview], off: int) -> None:
         if n <= 0:
             raise OSError(errno.EIO, "pwritev wrote nothing")
         off += n
-        while n and views:
-            if n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _consume(views, n)
 
 
 def _preadv_all(fd: int, views: list[memoryview], off: int) -> int:
@@ -136,13 +141,7 @@ def _preadv_all(fd: int, views: list[memoryview], off: int) -> int:
             break  # EOF: caller compares with what it expected
         off += n
         total += n
-        while n and views:
-            if n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _consume(views, n)
     return total
 
 
