@@ -36,10 +36,10 @@ test-upstream: install
 demo: demo-stack demo-server
 
 demo-stack: install
-	$(PY) -m sglang_l3.demo --store ./l3-store/stack
+	$(PY) -m sglang_l3.testing.demo --store ./l3-store/stack
 
 demo-server: install
-	$(PY) -m sglang_l3.demo_server --store ./l3-store/server
+	$(PY) -m sglang_l3.testing.demo_server --store ./l3-store/server
 
 bench: install
 	$(PY) benchmark/storage_bench.py

@@ -65,9 +65,9 @@ def _workload(seed: int, agents: int, turns: int) -> list[list[int]]:
 
 
 def _run(label: str, prompts: list[list[int]], seed: int, store_dir: str) -> Result:
-    from sglang_l3.coverage import restorable_coverage
-    from sglang_l3.cpu.scheduler_harness import SchedulerHarness
-    from sglang_l3.cpu.stack import HybridSpec, L3Stack
+    from sglang_l3.testing.coverage import restorable_coverage
+    from sglang_l3.testing.scheduler_harness import SchedulerHarness
+    from sglang_l3.testing.stack import HybridSpec, L3Stack
 
     rng = random.Random(seed + 1)
     spec = HybridSpec(page_size=1, kv_size=4096, max_context_len=2048, mamba_cache_size=64)

@@ -29,7 +29,7 @@ def main() -> int:
     import sglang_l3.plugin
 
     sglang_l3.plugin.register()
-    from sglang_l3.cpu.soak import run_soak
+    from sglang_l3.testing.soak import run_soak
 
     store = args.store or tempfile.mkdtemp(prefix="sglang-l3-soak-")
     t0 = time.monotonic()

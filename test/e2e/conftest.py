@@ -29,7 +29,7 @@ from l3_e2e import (
     SMALL_POOL,
     STARTUP_TIMEOUT,
 )
-from sglang_l3.cpu_serving.server import Server, ServerConfig, warm_hicache_hash_extension
+from sglang_l3.testing.server import Server, ServerConfig, warm_hicache_hash_extension
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from sglang_l3.cpu_serving.server import Generation, Server, prompt
+from sglang_l3.testing.server import Generation, Server, prompt
 
 STARTUP_TIMEOUT = float(os.environ.get("SGLANG_L3_E2E_STARTUP_TIMEOUT", "420"))
 

@@ -71,8 +71,8 @@ fi
 "$PY" -c 'import sglang_l3.plugin, pytest' || { say "sglang_l3 or pytest not importable"; exit 3; }
 
 # 4. the C++ page-hash extension HiCache builds on first use (see
-#    sglang_l3.cpu_serving.server.warm_hicache_hash_extension), built up front
-timeout 120 "$PY" -c 'from sglang_l3.cpu_serving.server import warm_hicache_hash_extension as w; w()' \
+#    sglang_l3.testing.server.warm_hicache_hash_extension), built up front
+timeout 120 "$PY" -c 'from sglang_l3.testing.server import warm_hicache_hash_extension as w; w()' \
     || say "warning: could not pre-build the hash extension"
 
 # 5. the GPU e2e variants, in what is left of the budget

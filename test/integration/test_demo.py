@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import stat
 
-from sglang_l3 import demo
+from sglang_l3.testing import demo
 
 
 def test_demo_restores_every_agent_bit_exact(tmp_path, capsys) -> None:

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from sglang_l3.cpu.stack import HybridSpec, L3Stack
+from sglang_l3.testing.stack import HybridSpec, L3Stack
 
 PAGE_SIZES = (1, 4, 64, 128)
 TREE_CORES = ("rust", "python")

@@ -16,8 +16,8 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.buffer_mode.pipeline import BufferModePipeline
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector, PoolName
 from sglang_l3 import metrics
-from sglang_l3.cpu.scheduler_harness import SchedulerHarness
-from sglang_l3.cpu.stack import HybridSpec, L3Stack
+from sglang_l3.testing.scheduler_harness import SchedulerHarness
+from sglang_l3.testing.stack import HybridSpec, L3Stack
 from sglang_l3.patches.reanchor import ReanchorViolation, record_of
 
 EXTRA = [90001, 90002, 90003, 90004]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_l3.cpu.soak import run_soak
+from sglang_l3.testing.soak import run_soak
 
 
 @pytest.mark.slow

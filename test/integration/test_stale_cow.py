@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from sglang_l3 import metrics
-from sglang_l3.cpu.scheduler_harness import SchedulerHarness
-from sglang_l3.cpu.stack import HybridSpec, L3Stack
+from sglang_l3.testing.scheduler_harness import SchedulerHarness
+from sglang_l3.testing.stack import HybridSpec, L3Stack
 
 
 def _take_slot(st: L3Stack, wanted: int) -> list:

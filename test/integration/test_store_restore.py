@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from sglang_l3.cpu.stack import HybridSpec, L3Stack, RestoreFailed
+from sglang_l3.testing.stack import HybridSpec, L3Stack, RestoreFailed
 from sglang_l3.patches import framework
 
 PS = 4

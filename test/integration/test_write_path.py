@@ -16,8 +16,8 @@ import os
 import pytest
 
 from sglang_l3 import metrics
-from sglang_l3.cpu.scheduler_harness import SchedulerHarness
-from sglang_l3.cpu.stack import TREE_CORES, HybridSpec, L3Stack
+from sglang_l3.testing.scheduler_harness import SchedulerHarness
+from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
 from sglang_l3.storage import metrics as store_metrics
 
 import torch

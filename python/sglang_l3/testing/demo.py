@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from sglang_l3.cpu.stack import HybridSpec, L3Stack
+from sglang_l3.testing.stack import HybridSpec, L3Stack
 
 
 @dataclass

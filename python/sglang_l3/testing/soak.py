@@ -19,8 +19,8 @@ from typing import Any, Optional
 import torch
 
 from sglang_l3 import metrics
-from sglang_l3.cpu.scheduler_harness import SchedulerHarness
-from sglang_l3.cpu.stack import HybridSpec, L3Stack
+from sglang_l3.testing.scheduler_harness import SchedulerHarness
+from sglang_l3.testing.stack import HybridSpec, L3Stack
 from sglang_l3.patches.reanchor import ReanchorViolation, record_of
 
 

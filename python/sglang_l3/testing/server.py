@@ -1,5 +1,5 @@
 """Start, talk to and stop a real `python -m sglang.launch_server` serving the
-packaged tiny Qwen3-Next (used by `python -m sglang_l3.demo_server` and test/e2e).
+packaged tiny Qwen3-Next (used by `python -m sglang_l3.testing.demo_server` and test/e2e).
 
 Nothing here changes the server's behaviour: it builds the command line, waits
 for the server to be ready, sends HTTP requests with input ids

@@ -1,4 +1,4 @@
-"""`python -m sglang_l3.demo_server`: agents talking to a real SGLang server on
+"""`python -m sglang_l3.testing.demo_server`: agents talking to a real SGLang server on
 CPU, with the conversation prefixes coming back from the L3 store on disk.
 
 Starts `python -m sglang.launch_server --device cpu` on the packaged tiny
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sglang_l3.cpu_serving.server import (
+from sglang_l3.testing.server import (
     Server,
     ServerConfig,
     prompt,
@@ -30,7 +30,7 @@ from sglang_l3.cpu_serving.server import (
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sglang_l3.demo_server", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m sglang_l3.testing.demo_server", description=__doc__.splitlines()[0])
     ap.add_argument("--store", default="./l3-store", help="L3 directory (default ./l3-store)")
     ap.add_argument("--agents", type=int, default=3)
     ap.add_argument("--turns", type=int, default=3)

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from sglang_l3.cpu.stack import L3Stack, _pump
+from sglang_l3.testing.stack import L3Stack, _pump
 
 
 class _NoGrammar:

@@ -1,0 +1,13 @@
+"""Harnesses: what tests, demos and benchmarks drive, never what a serving process imports.
+
+- `stack`: the real upstream cache stack (UnifiedRadixCache + HybridCacheController +
+  buffer-only HiCache + our store) on CPU pools.
+- `scheduler_harness`: the real scheduler admission path around that stack.
+- `soak`: the randomized restore soak.
+- `server`: start, talk to and stop `python -m sglang.launch_server` on the packaged tiny model.
+- `demo`, `demo_server`: `make demo`.
+- `coverage`: restorable-coverage arithmetic for benchmark/coverage.py.
+
+Runtime code (plugin, patches, storage, quant, cpu, cpu_serving, metrics, cli) never
+imports this package.
+"""
