@@ -25,8 +25,9 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    # A process SGLang loads us into publishes its counters for `doctor --stats`.
-    os.environ.setdefault("SGLANG_L3_PUBLISH_STATS", "0" if os.environ.get("SGLANG_L3_TEST") else "1")
+    # A process SGLang loads us into publishes its counters for `doctor --stats`
+    # (SGLANG_L3_PUBLISH_STATS=0 turns that off; the test session does).
+    os.environ.setdefault("SGLANG_L3_PUBLISH_STATS", "1")
     from sglang_l3.patches import framework
 
     try:

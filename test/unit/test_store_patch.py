@@ -33,7 +33,7 @@ def applied():
 
 def test_series_entry_targets_verify():
     spec = _spec()
-    assert spec.kind == "REGISTRY" and spec.group == "storage"
+    assert spec.kinds == {"REGISTRY", "AFTER"} and spec.group == "storage"
     assert framework.check_spec(spec) == {}, "upstream drifted from the fingerprints in series.toml"
 
 

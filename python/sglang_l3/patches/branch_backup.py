@@ -78,6 +78,9 @@ def backup_committed_state(cache: Any, node_id: Any, walk: Optional[set]) -> boo
 def _insert(original: Any, cache: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
     result = original(cache, params, *args, **kwargs)
     pipe = getattr(cache, "buffer_pipeline", None)
+    # This insert's walk set, taken on every path: a set left behind would be read
+    # by a later insert whose walk never reached end_insert_walk.
+    walk = vars(pipe).pop(_LAST_WALK_ATTR, None) if pipe is not None else None
     if (
         pipe is None
         or not cache.enable_storage
@@ -86,8 +89,6 @@ def _insert(original: Any, cache: Any, params: Any, *args: Any, **kwargs: Any) -
         or result.last_device_node is None
     ):
         return result
-    walk = getattr(pipe, _LAST_WALK_ATTR, None)
-    setattr(pipe, _LAST_WALK_ATTR, None)
     backup_committed_state(cache, result.last_device_node, walk)
     return result
 

@@ -7,14 +7,13 @@ Upstream defects worked around (0.5.23):
   torch.empty(..., pin_memory=True) (e.g. mha.py get_dummy_flat_data_page).
 - pool_host/mha.py:60, mamba.py: the `direct` transfer ops are imported from
   sgl_kernel only under CUDA/HIP; on CPU the names are unbound.
-Only applies when requested (SGLANG_L3_CPU=1, set by sglang_l3.cpu.enable())
+Only applies when requested (SGLANG_L3_CPU_SERVING=1, or sglang_l3.cpu.enable())
 and no accelerator is present.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
 from sglang_l3.patches.framework import PatchContext
@@ -23,13 +22,9 @@ _MISSING = object()
 
 
 def applicable() -> str | None:
-    if os.environ.get("SGLANG_L3_CPU") != "1":
-        return "CPU shims not requested (sglang_l3.cpu.enable() / SGLANG_L3_CPU=1)"
-    from sglang_l3.cpu import accelerator_present
+    from sglang_l3.cpu import not_applicable_reason
 
-    if accelerator_present():
-        return "an accelerator is present"
-    return None
+    return not_applicable_reason()
 
 
 def apply(ctx: PatchContext) -> None:

@@ -2,11 +2,10 @@
 the packaged tiny Qwen3-Next (Gated-DeltaNet hybrid) on a host with no accelerator.
 
 One module, several series entries (each with its own kind and targets);
-`apply(ctx)` dispatches on `ctx.id`. Every entry is "not applicable" when an
-accelerator is present, so a GPU server is never touched. In a process that
-does not serve (a test calling apply_all() and driving the cache stack itself)
-the entries are inert: they replace kernels that cannot run on such a host
-anyway, and the hooks only act inside the constructors they wrap.
+`apply(ctx)` dispatches on `ctx.id`. Every entry applies only when asked
+(SGLANG_L3_CPU_SERVING=1 or sglang_l3.cpu.enable(): the demo, the tests, the CPU
+server launcher) and never next to an accelerator; cpu-gdn-torch `requires` the
+host-pool shims (patch cpu-host-pools), which the queue applies first.
 
 Upstream defects worked around (sglang 0.5.23, no accelerator, no sgl-kernel CPU build):
 
@@ -55,11 +54,9 @@ _QWEN3_NEXT = "sglang.srt.models.qwen3_next"
 
 
 def applicable() -> str | None:
-    from sglang_l3.cpu import accelerator_present
+    from sglang_l3.cpu import not_applicable_reason
 
-    if accelerator_present():
-        return "an accelerator is present"
-    return None
+    return not_applicable_reason()
 
 
 def apply(ctx: PatchContext) -> None:
@@ -76,10 +73,6 @@ def _gdn_torch(ctx: PatchContext) -> None:
     ctx.replace(f"{_GDN}:causal_conv1d_update", conv1d.causal_conv1d_update)
     ctx.replace(f"{_HLAB}:track_mamba_states_if_needed", ops.track_mamba_states_if_needed)
     ctx.replace(f"{_HLAB}:track_mamba_states_all_layers", ops.track_mamba_states_all_layers)
-    # A CPU server needs the HiCache host pools to work without a driver too.
-    import sglang_l3.cpu
-
-    sglang_l3.cpu.enable()
 
 
 def _qwen3next_ops(ctx: PatchContext) -> None:

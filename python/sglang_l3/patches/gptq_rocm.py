@@ -18,6 +18,7 @@ import logging
 from typing import Any, Optional
 
 from sglang_l3.patches.framework import PatchContext, PatchError
+from sglang_l3.quant.platform import not_applicable_reason, on_hip
 
 logger = logging.getLogger("sglang_l3.patches.gptq_rocm")
 
@@ -29,19 +30,11 @@ ROCM_REJECT = "gptq quantization is currently not supported in ROCm."
 
 
 def _on_hip() -> bool:
-    from sglang.srt import utils  # looked up per call: tests simulate HIP by patching it
-
-    return bool(utils.is_hip())
+    return on_hip()
 
 
 def applicable() -> Optional[str]:
-    if not _on_hip():
-        return "not ROCm (torch.version.hip is None)"
-    from sglang.srt import utils
-
-    if utils.is_cpu():
-        return "SGLang CPU engine selected (SGLANG_USE_CPU_ENGINE=1)"
-    return None
+    return not_applicable_reason()
 
 
 def apply(ctx: PatchContext) -> None:

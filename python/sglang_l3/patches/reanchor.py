@@ -197,7 +197,7 @@ def _postcheck(pipe: Any, req: Any, loaded: int, node: Any, state: Any, had_anch
             f"pending CoW/clear (cow_src={_slot(req.kv.mamba_cow_src_index)}, "
             f"clear={req.kv.mamba_needs_clear}) would overwrite the restored state"
         )
-    releases = _STATE.releases.pop(request, 0)
+    releases = _pop_releases(request)
     if request in pipe.anchor_locks:
         problems.append("prefetch anchor pin still held")
     if releases != (1 if had_anchor else 0):
@@ -226,6 +226,11 @@ def _postcheck(pipe: Any, req: Any, loaded: int, node: Any, state: Any, had_anch
     )
 
 
+def _pop_releases(request: Any) -> int:
+    with _STATE.lock:
+        return _STATE.releases.pop(request, 0)
+
+
 def _init_load_back(original, pipe: Any, params: Any) -> Any:
     req = params.req
     if req is None:
@@ -244,11 +249,11 @@ def _init_load_back(original, pipe: Any, params: Any) -> Any:
         _STATE.releases[request] = 0
     result = original(pipe, params)
     if result is None:  # capacity: upstream keeps the hold for the next pass
-        _STATE.releases.pop(request, None)
+        _pop_releases(request)
         return result
     loaded, node = result
     if load_back_id not in pipe.ongoing_buffer_load_back:
-        _STATE.releases.pop(request, None)
+        _pop_releases(request)
         return result  # nothing was queued (upstream's "unchanged" exit)
     state = pipe.ongoing_buffer_load_back[load_back_id]
     rec = _postcheck(pipe, req, int(loaded), node, state, had_anchor)

@@ -15,16 +15,8 @@ import time
 from typing import Optional
 
 from sglang_l3.storage import index
-from sglang_l3.storage.config import ConfigError, StoreSettings, parse_size
+from sglang_l3.storage.config import ConfigError, StoreSettings, fmt_bytes, parse_size
 from sglang_l3.storage.safety import UnsafeStoreError, check_dir
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def resolve_dir(explicit: Optional[str] = None) -> str:

@@ -9,13 +9,11 @@ import stat
 from typing import Any, Optional
 
 from sglang_l3.storage import index, metrics
-from sglang_l3.storage.config import ConfigError, StoreSettings
+from sglang_l3.storage.config import ConfigError, StoreSettings, fmt_bytes
 from sglang_l3.storage.safety import SUBDIRS, UnsafeStoreError, check_dir
 
 
 def _fmt(n: float) -> str:
-    from sglang_l3.storage.cli import fmt_bytes
-
     return fmt_bytes(n)
 
 

@@ -126,6 +126,9 @@ class Server:
     def start(self) -> "Server":
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.config.device == "cpu":
+            # the CPU patches (cpu-serving, cpu-host-pools) apply only when asked
+            env["SGLANG_L3_CPU_SERVING"] = "1"
         if self.config.storage_dir is not None:
             Path(self.config.storage_dir).mkdir(parents=True, exist_ok=True)
             env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(self.config.storage_dir)
