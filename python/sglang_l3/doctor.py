@@ -159,7 +159,7 @@ def stats() -> dict[str, Any]:
     plus this process's own."""
     from sglang_l3 import metrics
 
-    out: dict[str, Any] = dict(metrics.collect_published())
+    out: dict[str, Any] = dict(metrics.collect_published(exclude_pid=os.getpid()))
     for k, v in metrics.snapshot().items():
         out[k] = out.get(k, 0) + v
     return out

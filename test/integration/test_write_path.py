@@ -18,7 +18,7 @@ import pytest
 from sglang_l3 import metrics
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
-from sglang_l3.storage import metrics as store_metrics
+from sglang_l3.metrics import store_counters
 
 import torch
 
@@ -138,16 +138,16 @@ def test_truncated_state_costs_only_its_pages(tmp_path, core: str) -> None:
     size = os.path.getsize(path)
     with open(path, "r+b") as f:
         f.truncate(size // 2)
-    c0 = store_metrics.counters()
+    c0 = store_counters()
     with L3Stack(spec, str(tmp_path), tree_core=core) as fresh:
         _, loaded = fresh.prefetch(seq + [900, 901, 902, 903], "partial")
         assert loaded == 24
-        c1 = store_metrics.counters()
+        c1 = store_counters()
         assert c1.get("quarantined_size", 0) == c0.get("quarantined_size", 0) + 1
         assert not os.path.exists(path)
         fresh.write(seq)  # the prefix recomputed and written again
         assert os.path.getsize(path) == size
-        assert store_metrics.counters().get("write_ok", 0) > c1.get("write_ok", 0)
+        assert store_counters().get("write_ok", 0) > c1.get("write_ok", 0)
     with L3Stack(spec, str(tmp_path), tree_core=core) as again:
         assert again.prefetch(seq + [900, 901, 902, 903], "full")[1] == 32
 

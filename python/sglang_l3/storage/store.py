@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from sglang_l3.storage import metrics
+from sglang_l3 import metrics
 from sglang_l3.storage.config import StoreSettings
 from sglang_l3.storage.evictor import fs_usage, make_evictor
 from sglang_l3.storage.format import (
@@ -119,7 +119,6 @@ class PageStore:
             eviction_ratio=settings.eviction_ratio,
             on_evict=lambda _stem: self.counters.inc("evicted"),
         )
-        metrics.register(self)
         if sweep_strays is None:
             sweep_strays = shard.tp_rank == 0 and shard.pp_rank == 0 and shard.cp_rank == 0
         if sweep_strays:

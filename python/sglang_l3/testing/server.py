@@ -40,7 +40,7 @@ def warm_hicache_hash_extension() -> None:
     Upstream compiles it on first use inside the storage prefetch thread
     (mem_cache/cpp_utils/native_hash.py); on a slow or busy machine that takes
     longer than the 10 s `/flush_cache` waits for the thread to stop
-    (cache_controller.py:518-531), and the scheduler dies with "Failed to stop
+    (HiCacheController._stop_storage_threads), and the scheduler dies with "Failed to stop
     HiCache storage threads cleanly". Building it beforehand avoids that.
     """
     from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module
@@ -209,6 +209,10 @@ class Server:
             if not self.alive():
                 raise ServerError(f"server died; log {self.log_path}:\n{self.log_tail()}") from e
             raise
+
+    def get_text(self, path: str, timeout: float = 60.0) -> str:
+        """GET `path` (e.g. "/metrics" when started with --enable-metrics)."""
+        return self._request("GET", path, timeout=timeout).decode()
 
     def generate(self, input_ids: list[int], max_new_tokens: int = 8) -> "Generation":
         """Greedy generation, streamed: returns tokens, logprobs, the server's
