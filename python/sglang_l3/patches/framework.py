@@ -61,6 +61,8 @@ class PatchSpec:
     targets: tuple[TargetSpec, ...]
     group: str = "all"
     requires: tuple[str, ...] = ()  # patch ids applied (and required APPLIED) first
+    how: str = ""  # what the patch does (why: the upstream defect)
+    upstream_none: str = ""  # why there is no upstream reference
 
     @property
     def kinds(self) -> frozenset[str]:
@@ -85,7 +87,10 @@ class PatchStatus:
             "targets": [t.path for t in self.spec.targets],
             "drift": {k: {"expected": e, "actual": a} for k, (e, a) in self.drift.items()},
             "fired": dict(self.fired),
+            "why": self.spec.why,
+            "how": self.spec.how,
             "upstream": list(self.spec.upstream),
+            "upstream_none": self.spec.upstream_none,
             "retire_when": self.spec.retire_when,
             "requires": list(self.spec.requires),
         }
@@ -139,6 +144,8 @@ def load_series(path: Path = SERIES_PATH) -> list[PatchSpec]:
                 targets=targets,
                 group=entry.get("group", "all"),
                 requires=requires,
+                how=entry.get("how", "").strip(),
+                upstream_none=entry.get("upstream_none", "").strip(),
             )
         )
     return specs

@@ -1,13 +1,7 @@
-"""Patch `reanchor`: an explicit, checked re-anchor step for buffer-only L3 restores.
+"""Patch `reanchor` (why: patches/series.toml): an explicit, checked re-anchor
+step for buffer-only L3 restores.
 
-In 0.5.23 `BufferModePipeline.init_load_back` (buffer_mode/pipeline.py:1725)
-materializes the restored span as node N and returns `(len, N)`; the request is
-rebound to N only later, by the caller (`PrefillAdder.add_one_req`,
-schedule_policy.py:1526) and locked on N in `_commit_prefill_admission` (1690).
-Nothing checks the binding, and inside init_load_back `req.last_node` is still
-the old anchor — our user's "node 19 vs node 32, slot 27 vs 28" report.
-
-This patch wraps init_load_back:
+How: AROUND `BufferModePipeline.init_load_back`:
 - before any H2D copy is queued it checks the staged plan against the request
   (prefix length, the anchor's device path); on failure it releases the staged
   hold, clears the storage-hit fields and returns None → the request is

@@ -1,24 +1,15 @@
-"""Patch `store-file`: `--hicache-storage-backend file` -> sglang-l3's NVMe store.
-
-Upstream defects worked around (0.5.23, hicache_storage.py:728-1108):
-- one raw page per file, no header / dtype / layout / checksum ("TODO: Include
-  KV dtype and stored layout in keys", ~761): a flipped byte or a bf16 page read
-  as fp16 is served as valid KV;
-- a short read raises IOError, which get() does not catch (only
-  FileNotFoundError); a damaged file is never rewritten (set() skips existing
-  keys) (#39147 residual);
-- one page at a time, one thread, through a temporary tensor (~1.2 GB/s,
-  #26886 / #26305; #39880 proposes parallel readv/writev);
-- no fsync, default dir /tmp/hicache created with default permissions.
+"""Patch `store-file` (why: patches/series.toml): `--hicache-storage-backend file`
+-> sglang-l3's NVMe store.
 
 How: two edits.
-1. StorageBackendFactory._registry["file"] loads sglang_l3.storage.backend.
-   L3FileStore instead of HiCacheFile (undone on SGLANG_L3_DISABLE=store-file).
+1. StorageBackendFactory's registry entry "file" loads
+   sglang_l3.storage.backend.L3FileStore instead of HiCacheFile (undone on
+   SGLANG_L3_DISABLE=store-file).
 2. AFTER HiCacheController.attach_storage_backend: when the backend is ours,
    select the controller's zero-copy page functions (batch_get_v1 /
    batch_set_v1 straight on host-pool memory). Upstream picks them by backend
-   name (cache_controller.py:649-662) and "file" is not in its list, so KV
-   pages would otherwise go through a temporary flat tensor and an extra copy.
+   name in that method and "file" is not in its list, so KV pages would
+   otherwise go through a temporary flat tensor and an extra copy.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Modules (the first group imports neither torch nor sglang, so the CLI is instant
   io_engine  parallel vectored IO, O_DIRECT, atomic writes, durability
   store      PageStore: exists/read/write, quarantine, budget (LRUFileEvictor)
   index      scan a store directory: stats, coverage, verify, evict, clear
-  metrics    process-wide counters()
+  (counters: sglang_l3.metrics, the one counter path; counters() = its store part)
   pagemap    host pool page <-> zero-copy memoryview runs      (torch)
   backend    L3FileStore(HiCacheStorage)                        (torch + sglang)
   cli, doctor

@@ -51,7 +51,7 @@ class HybridSpec:
 
     @property
     def extra_buffer(self) -> bool:
-        # Mamba page_size > 1 requires the extra-buffer strategy (upstream kit config.py:99).
+        # Mamba page_size > 1 requires the extra-buffer strategy (upstream's kit config).
         return self.page_size > 1
 
 
