@@ -5,6 +5,8 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 STAMP   := $(VENV)/.sglang-l3-installed
 SUITE   ?= cpu
+# the one source of the upstream pin: sglang_l3.SGLANG_PIN
+SGLANG_PIN := $(shell sed -n 's/^SGLANG_PIN = "\(.*\)"/\1/p' python/sglang_l3/__init__.py)
 # JIT-built torch extensions (HiCache's page hash) per venv: a build shared
 # between venvs is rebuilt on each switch, inside a serving thread.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
@@ -17,7 +19,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	test -x $(PY) || $(PY_BOOT) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
-	$(PIP) install -q --no-deps sglang==0.5.23
+	$(PIP) install -q --no-deps sglang==$(SGLANG_PIN)
 	$(PIP) install -q -r requirements/cpu.txt
 	$(PIP) install -q --no-deps -e .
 	$(PY) -c "import sglang_l3.plugin, sglang.srt.mem_cache.unified_radix_cache"

@@ -38,7 +38,7 @@ STORE_PREFIX = "store_"
 def stats_dir() -> str:
     """Where serving processes publish their counters for `doctor --stats`."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("SGLANG_L3_STATS_DIR") or os.path.join(base, "sglang-l3", "stats")
+    return os.environ.get("SGLANG_L3_STATS_DIR") or os.path.join(base, "sglang-l3", "stats")  # envs.VARS
 
 
 def _key(name: str, label: Optional[str]) -> str:

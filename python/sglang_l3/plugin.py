@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
+from sglang_l3 import envs
+
 logger = logging.getLogger("sglang_l3")
 _registered = False
 
@@ -35,5 +37,5 @@ def register() -> None:
     except framework.PatchError as e:
         msg = f"sglang-l3: {e}"
         logger.error(msg)
-        if os.environ.get("SGLANG_L3_STRICT", "1") != "0":
+        if envs.value("SGLANG_L3_STRICT") != "0":
             raise SystemExit(msg) from e

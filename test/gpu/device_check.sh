@@ -22,6 +22,8 @@ START=$(date +%s)
 BUDGET=${DEVICE_CHECK_BUDGET_S:-470}   # 8 min minus margin
 PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/sglang-l3-site}
+# the one source of the upstream pin: sglang_l3.SGLANG_PIN
+PIN=$(sed -n 's/^SGLANG_PIN = "\(.*\)"/\1/p' python/sglang_l3/__init__.py)
 OUT_DIR=${OUT:-/tmp/sglang-l3-device-check}
 mkdir -p "$OUT_DIR" "$SITE"
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
@@ -44,9 +46,10 @@ fi
 if ! "$PY" -c 'import sglang' 2>/dev/null; then
     say "sglang not importable; trying an index (fails fast offline)"
     timeout 120 "$PY" -m pip install -q --no-deps --target "$SITE" --timeout 10 --retries 0 \
-        sglang==0.5.23 || true
+        "sglang==$PIN" || true
 fi
-if ! "$PY" - <<'EOF'
+if ! SGLANG_PIN="$PIN" "$PY" - <<'EOF'
+import os
 import sys
 try:
     import sglang
@@ -55,13 +58,13 @@ try:
 except Exception as e:  # noqa: BLE001
     print(f"sglang cannot run here: {type(e).__name__}: {e}")
     sys.exit(1)
-if sglang.__version__ != "0.5.23":
-    print(f"sglang {sglang.__version__} found; this repository pins 0.5.23")
+if sglang.__version__ != os.environ["SGLANG_PIN"]:
+    print(f"sglang {sglang.__version__} found; this repository pins {os.environ['SGLANG_PIN']}")
     sys.exit(1)
 print("sglang", sglang.__version__)
 EOF
 then
-    say "sglang 0.5.23 with its GPU runtime is not available on this machine (carry it in .whl/)"
+    say "sglang $PIN with its GPU runtime is not available on this machine (carry it in .whl/)"
     exit 3
 fi
 

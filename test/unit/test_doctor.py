@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from sglang_l3 import cli, doctor
+from sglang_l3 import SGLANG_PIN, cli, doctor
 
 
 def _run(capsys, *args: str) -> tuple[int, dict]:
@@ -18,7 +18,7 @@ def test_doctor_json_lists_every_patch(capsys, tmp_path) -> None:
     store.mkdir(mode=0o700)
     rc, rep = _run(capsys, "--store-dir", str(store))
     checks = {c["name"]: c for c in rep["checks"]}
-    assert checks["versions"]["data"]["sglang"] == "0.5.23"
+    assert checks["versions"]["data"]["sglang"] == SGLANG_PIN
     assert checks["platform"]["data"]["kind"] == "cpu"
     assert checks["plugin"]["ok"], "the sglang.srt.plugins entry point must be installed"
     from sglang_l3.patches import framework

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+from sglang_l3 import envs
+
 ENV_SWITCH = "SGLANG_L3_CPU_SERVING"
 
 
@@ -31,7 +33,7 @@ def accelerator_present() -> bool:
 
 def requested() -> bool:
     """The switch is on in this process (children inherit it)."""
-    return os.environ.get(ENV_SWITCH) == "1"
+    return envs.value(ENV_SWITCH) == "1"
 
 
 def not_applicable_reason() -> str | None:

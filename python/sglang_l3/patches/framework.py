@@ -16,7 +16,6 @@ import hashlib
 import importlib
 import inspect
 import logging
-import os
 import pkgutil
 import textwrap
 import threading
@@ -24,6 +23,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from sglang_l3 import envs
 
 logger = logging.getLogger("sglang_l3.patches")
 
@@ -346,11 +347,11 @@ _CONTEXTS: dict[str, PatchContext] = {}
 
 
 def disabled_ids() -> set[str]:
-    return {x.strip() for x in os.environ.get("SGLANG_L3_DISABLE", "").split(",") if x.strip()}
+    return {x.strip() for x in envs.value("SGLANG_L3_DISABLE").split(",") if x.strip()}
 
 
 def allow_drift() -> bool:
-    return os.environ.get("SGLANG_L3_ALLOW_DRIFT", "0").lower() in ("1", "true", "yes")
+    return envs.flag("SGLANG_L3_ALLOW_DRIFT")
 
 
 def check_spec(spec: PatchSpec) -> dict[str, tuple[str, str]]:
