@@ -4,6 +4,12 @@ packaged tiny Qwen3-Next (used by `python -m sglang_l3.testing.demo_server` and 
 Nothing here changes the server's behaviour: it builds the command line, waits
 for the server to be ready, sends HTTP requests with input ids
 (--skip-tokenizer-init) and reads what the server reports.
+
+Upstream's test launcher (`sglang.test.test_utils:popen_launch_server`) does not
+fit: it starts `sglang serve` and polls `/health_generate`, which runs a
+generation through the very cache a test then inspects (cached-token counts,
+L3 pages, counters). Readiness is read from the launcher's log line instead;
+stopping uses upstream's `sglang.srt.utils:kill_process_tree`.
 """
 
 from __future__ import annotations
@@ -160,18 +166,22 @@ class Server:
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the server's process group (launcher, scheduler, detokenizer:
-        started in a session of its own), SIGKILL what is left after `timeout`."""
+        started in a session of its own) so it shuts down cleanly; after
+        `timeout`, upstream's kill_process_tree kills and reaps what is left, and
+        the group is killed for any process that left the tree."""
+        from sglang.srt.utils import kill_process_tree
+
         p, self.proc = self.proc, None
         if p is None:
             return
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        # the launcher or any child still in the group
+        if p.poll() is None:  # still ours (a reaped pid may already be someone else's)
+            with contextlib.suppress(RuntimeError):  # not reaped in time: the group kill follows
+                kill_process_tree(p.pid, include_parent=True, wait_timeout=30)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
