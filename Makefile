@@ -11,7 +11,7 @@ SGLANG_PIN := $(shell sed -n 's/^SGLANG_PIN = "\(.*\)"/\1/p' python/sglang_l3/__
 # between venvs is rebuilt on each switch, inside a serving thread.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
-.PHONY: install test test-upstream demo demo-stack demo-server bench soak doctor
+.PHONY: install lint test test-upstream demo demo-stack demo-server bench soak doctor
 
 install: $(STAMP)
 
@@ -26,6 +26,11 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	# HiCache's C++ page-hash extension is JIT-built on first use; build it once here.
 	$(PY) -c "from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module as b; b()"
 	touch $(STAMP)
+
+# ruff settings: [tool.ruff] in pyproject.toml
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: install
 	$(PY) test/run_suite.py --suite $(SUITE)

@@ -25,24 +25,57 @@ class EnvVar:
 _VARS = (
     # serving process / patch queue
     EnvVar("SGLANG_L3_DISABLE", "", "comma-separated patch ids not to apply (doctor shows them disabled)", "serving"),
-    EnvVar("SGLANG_L3_ALLOW_DRIFT", "0", "1: apply patches whose upstream targets drifted from their fingerprints",
-           "serving"),
-    EnvVar("SGLANG_L3_STRICT", "1", "0: a patch that cannot be verified is logged and the server starts unpatched "
-           "(default: the process exits)", "serving"),
-    EnvVar("SGLANG_L3_CPU_SERVING", "0", "1: apply the CPU patches (cpu-host-pools, group cpu-serving) on a "
-           "machine without an accelerator; set by sglang_l3.cpu.enable() and the CPU server launcher", "serving"),
-    EnvVar("SGLANG_L3_VERIFY", "0", "1: the reanchor patch compares restored Mamba states tensor by tensor at "
-           "each load-back ack (forces a device sync)", "serving"),
-    EnvVar("SGLANG_L3_PUBLISH_STATS", "1", "1: a process the plugin loads into publishes its counters for "
-           "`sglang-l3 doctor --stats` (the plugin sets 1 unless already set; the test session sets 0)", "serving"),
-    EnvVar("SGLANG_L3_STATS_DIR", "$XDG_CACHE_HOME/sglang-l3/stats (~/.cache/...)",
-           "where published counters live", "serving"),
+    EnvVar(
+        "SGLANG_L3_ALLOW_DRIFT",
+        "0",
+        "1: apply patches whose upstream targets drifted from their fingerprints",
+        "serving",
+    ),
+    EnvVar(
+        "SGLANG_L3_STRICT",
+        "1",
+        "0: a patch that cannot be verified is logged and the server starts unpatched (default: the process exits)",
+        "serving",
+    ),
+    EnvVar(
+        "SGLANG_L3_CPU_SERVING",
+        "0",
+        "1: apply the CPU patches (cpu-host-pools, group cpu-serving) on a "
+        "machine without an accelerator; set by sglang_l3.cpu.enable() and the CPU server launcher",
+        "serving",
+    ),
+    EnvVar(
+        "SGLANG_L3_VERIFY",
+        "0",
+        "1: the reanchor patch compares restored Mamba states tensor by tensor at "
+        "each load-back ack (forces a device sync)",
+        "serving",
+    ),
+    EnvVar(
+        "SGLANG_L3_PUBLISH_STATS",
+        "1",
+        "1: a process the plugin loads into publishes its counters for "
+        "`sglang-l3 doctor --stats` (the plugin sets 1 unless already set; the test session sets 0)",
+        "serving",
+    ),
+    EnvVar(
+        "SGLANG_L3_STATS_DIR",
+        "$XDG_CACHE_HOME/sglang-l3/stats (~/.cache/...)",
+        "where published counters live",
+        "serving",
+    ),
     # L3 store (extra-config keys win)
-    EnvVar("SGLANG_L3_STORE_DIR", "$XDG_CACHE_HOME/sglang-l3/store (~/.cache/...)",
-           "store directory (also SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR)", "store"),
+    EnvVar(
+        "SGLANG_L3_STORE_DIR",
+        "$XDG_CACHE_HOME/sglang-l3/store (~/.cache/...)",
+        "store directory (also SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR)",
+        "store",
+    ),
     EnvVar("SGLANG_L3_STORE_MAX_BYTES", "0", "byte cap of the store, 0 = none (e.g. 200G)", "store"),
     EnvVar("SGLANG_L3_STORE_MIN_FREE_BYTES", "5%", "free-space floor of the filesystem (bytes or %)", "store"),
-    EnvVar("SGLANG_L3_STORE_DURABILITY", "none", "none / batch: batch fsyncs written pages and their directory", "store"),
+    EnvVar(
+        "SGLANG_L3_STORE_DURABILITY", "none", "none / batch: batch fsyncs written pages and their directory", "store"
+    ),
     EnvVar("SGLANG_L3_STORE_ODIRECT", "auto", "auto / on / off: O_DIRECT page IO", "store"),
     EnvVar("SGLANG_L3_STORE_IO_THREADS", "32", "parallel IO threads per store (1..256)", "store"),
     EnvVar("SGLANG_L3_STORE_EVICTION_RATIO", "0.9", "evict down to this fraction of the cap", "store"),

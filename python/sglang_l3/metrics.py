@@ -94,7 +94,7 @@ class Counters:
 
 def store_counters() -> dict[str, int | float]:
     """This process's store counters (every store it opened), without the prefix."""
-    return {k[len(STORE_PREFIX):]: v for k, v in snapshot().items() if k.startswith(STORE_PREFIX)}
+    return {k[len(STORE_PREFIX) :]: v for k, v in snapshot().items() if k.startswith(STORE_PREFIX)}
 
 
 # --------------------------------------------------------------------------- #

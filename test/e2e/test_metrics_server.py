@@ -43,8 +43,14 @@ def prom_counters(text: str) -> dict[str, float]:
 
 def doctor_stats(stats_dir: str) -> dict[str, float]:
     env = dict(os.environ, SGLANG_L3_STATS_DIR=stats_dir)
-    out = subprocess.run([sys.executable, "-m", "sglang_l3.cli", "doctor", "--json", "--stats"],
-                         capture_output=True, text=True, env=env, timeout=600, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang_l3.cli", "doctor", "--json", "--stats"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
     rep = json.loads(out.stdout)
     return next(c for c in rep["checks"] if c["name"] == "stats")["data"]
 
@@ -67,8 +73,11 @@ def test_counters_at_metrics_and_in_doctor_after_a_restore(tmp_path, hash_extens
         pytest.skip("the CPU server variant needs a machine without an accelerator")
     stats_dir = str(tmp_path / "stats")
     cfg = ServerConfig(
-        storage_dir=str(tmp_path / "store"), chunked_prefill_size=CHUNKED_PREFILL,
-        prefetch_threshold=PREFETCH_THRESHOLD, page_size=PAGE_SIZE, extra_args=["--enable-metrics", "--hicache-size", "1"],  # GB: no auto-sizing on a busy host
+        storage_dir=str(tmp_path / "store"),
+        chunked_prefill_size=CHUNKED_PREFILL,
+        prefetch_threshold=PREFETCH_THRESHOLD,
+        page_size=PAGE_SIZE,
+        extra_args=["--enable-metrics", "--hicache-size", "1"],  # GB: no auto-sizing on a busy host
         env={"SGLANG_L3_PUBLISH_STATS": "1", "SGLANG_L3_STATS_DIR": stats_dir},
     )
     with Server(cfg, tmp_path / "server.log", startup_timeout=STARTUP_TIMEOUT) as s:
@@ -96,8 +105,11 @@ def test_counters_at_metrics_and_in_doctor_after_a_restore(tmp_path, hash_extens
         assert re.search(r"^sglang:prefetch_pgs_count\{.*\} [1-9]", text, re.M), "get_stats() fed nothing"
 
         # doctor --stats: the same values, read from the published snapshot
-        stats = _until(lambda: doctor_stats(stats_dir), lambda d: d.get("store_read_hits") == prom["store_read_hits"],
-                       "doctor --stats")
+        stats = _until(
+            lambda: doctor_stats(stats_dir),
+            lambda d: d.get("store_read_hits") == prom["store_read_hits"],
+            "doctor --stats",
+        )
         for key in ("l3_restores", "store_read_hits", "store_read_pages", "store_write_ok"):
             assert stats[key] == prom[key], (key, stats, prom)
     # the server is gone: its counters expire

@@ -15,8 +15,16 @@ import pytest
 import sglang_l3.cpu
 from sglang_l3.patches import cpu_host_pools, cpu_serving, framework
 
-CPU_IDS = ("cpu-host-pools", "cpu-gdn-torch", "cpu-qwen3next-ops", "cpu-device-module",
-           "cpu-rope-native", "cpu-extra-buffer", "cpu-pin-memory", "cpu-moe-gate")
+CPU_IDS = (
+    "cpu-host-pools",
+    "cpu-gdn-torch",
+    "cpu-qwen3next-ops",
+    "cpu-device-module",
+    "cpu-rope-native",
+    "cpu-extra-buffer",
+    "cpu-pin-memory",
+    "cpu-moe-gate",
+)
 
 # A fresh process as SGLang starts one: the plugin applies the queue.
 PROBE = """
@@ -41,7 +49,7 @@ def _probe(switch: str | None) -> dict:
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 @pytest.fixture
@@ -84,7 +92,7 @@ def test_cpu_serving_does_not_apply_host_pools_itself(no_accelerator, monkeypatc
     probe = PROBE.replace("import sglang_l3.plugin", "import sglang_l3.plugin")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    r = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
     assert r["states"]["cpu-host-pools"] == "disabled"
     assert r["states"]["cpu-gdn-torch"] == "not applicable"
     assert r["details"]["cpu-gdn-torch"] == "requires cpu-host-pools (disabled: SGLANG_L3_DISABLE)"

@@ -77,7 +77,7 @@ def test_stats_aggregate_published_counters(capsys, tmp_path, monkeypatch) -> No
     metrics.inc("recompute_fallbacks", "unit_test")
     metrics._maybe_publish(force=True)
     (tmp_path / "999999999.json").write_text('{"pid": 999999999, "counters": {"l3_restores": 5}}')  # dead pid: ignored
-    rc = cli.main(["doctor", "--json", "--stats"])
+    cli.main(["doctor", "--json", "--stats"])
     rep = json.loads(capsys.readouterr().out)
     stats = next(c for c in rep["checks"] if c["name"] == "stats")["data"]
     # this process's counter counted once (its own published file is not added again)

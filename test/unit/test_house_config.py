@@ -19,8 +19,9 @@ def test_pyproject_pins_sglang_pin() -> None:
     assert meta["requires-python"] == ">=3.11"
     assert meta["license"] == "Apache-2.0"  # SPDX expression (PEP 639)
     assert "LICENSE" in meta.get("license-files", ["LICENSE"])
-    assert (ROOT / "LICENSE").read_text().startswith("\n                                 Apache License") or \
-        "Apache License" in (ROOT / "LICENSE").read_text()[:200]
+    assert (ROOT / "LICENSE").read_text().startswith(
+        "\n                                 Apache License"
+    ) or "Apache License" in (ROOT / "LICENSE").read_text()[:200]
 
 
 def test_no_other_copy_of_the_pin() -> None:
@@ -33,9 +34,14 @@ def test_no_other_copy_of_the_pin() -> None:
 
 
 def _sources() -> list[Path]:
-    files = [*ROOT.joinpath("python").rglob("*.py"), *ROOT.joinpath("benchmark").rglob("*.py"),
-             *ROOT.joinpath("test").rglob("*.py"), *ROOT.joinpath("test").rglob("*.sh"),
-             ROOT / "Makefile", ROOT / ".ci" / "run"]
+    files = [
+        *ROOT.joinpath("python").rglob("*.py"),
+        *ROOT.joinpath("benchmark").rglob("*.py"),
+        *ROOT.joinpath("test").rglob("*.py"),
+        *ROOT.joinpath("test").rglob("*.sh"),
+        ROOT / "Makefile",
+        ROOT / ".ci" / "run",
+    ]
     return [p for p in files if p.name != "envs.py"]
 
 
@@ -47,7 +53,7 @@ def test_every_variable_is_declared() -> None:
 
 def test_every_declared_variable_is_documented() -> None:
     ops = (ROOT / "docs" / "operations.md").read_text()
-    section = ops[ops.index("## Environment variables"):]
+    section = ops[ops.index("## Environment variables") :]
     missing = [n for n in envs.VARS if f"`{n}`" not in section]
     assert missing == []
 

@@ -13,8 +13,14 @@ PKG = Path(sglang_l3.__file__).resolve().parent
 HARNESS = ("sglang_l3.testing",)
 TEST_CODE = ("test", "tests", "conftest", "l3_e2e", "kit_shims", "fake_patch_target", "pytest")
 # Packages below patches/: they provide what patches install and must not reach up.
-BELOW = ("sglang_l3.storage", "sglang_l3.quant", "sglang_l3.cpu", "sglang_l3.cpu_serving",
-         "sglang_l3.metrics", "sglang_l3.envs")
+BELOW = (
+    "sglang_l3.storage",
+    "sglang_l3.quant",
+    "sglang_l3.cpu",
+    "sglang_l3.cpu_serving",
+    "sglang_l3.metrics",
+    "sglang_l3.envs",
+)
 UPPER = ("sglang_l3.patches", "sglang_l3.plugin", "sglang_l3.cli", "sglang_l3.doctor")
 # storage's tool layer: the doctor section reads the store, it does not run the CLI
 EXTRA = {"sglang_l3.storage.doctor": ("sglang_l3.storage.cli",)}
@@ -71,8 +77,14 @@ def violations() -> list[str]:
 
 def test_runtime_modules_found() -> None:
     names = {_modname(p) for p in runtime_modules()}
-    assert {"sglang_l3.plugin", "sglang_l3.patches.framework", "sglang_l3.storage.backend",
-            "sglang_l3.quant.doctor", "sglang_l3.cpu", "sglang_l3.metrics"} <= names
+    assert {
+        "sglang_l3.plugin",
+        "sglang_l3.patches.framework",
+        "sglang_l3.storage.backend",
+        "sglang_l3.quant.doctor",
+        "sglang_l3.cpu",
+        "sglang_l3.metrics",
+    } <= names
     assert not any(_under(n, HARNESS) for n in names)
 
 

@@ -14,9 +14,7 @@ def unlocked_accesses(source: str) -> list[int]:
     tree = ast.parse(source)
     locked: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.With) and any(
-            ast.unparse(item.context_expr) == "_STATE.lock" for item in node.items
-        ):
+        if isinstance(node, ast.With) and any(ast.unparse(item.context_expr) == "_STATE.lock" for item in node.items):
             locked |= {id(n) for n in ast.walk(node)}
     return [
         node.lineno

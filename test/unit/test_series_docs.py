@@ -62,6 +62,7 @@ def test_the_checks_see_stale_references() -> None:
     assert line_refs("(models/qwen3_next.py:235, :252) and at :455") == ["models/qwen3_next.py:235", ":252", ":455"]
     assert line_refs("mode 0700, 127.0.0.1:8000, 05:36 UTC") == []
     assert qualnames("`sglang.srt.models.qwen3_next:Qwen3GatedDeltaNet.__init__` and `x.y`") == [
-        "sglang.srt.models.qwen3_next:Qwen3GatedDeltaNet.__init__"]
+        "sglang.srt.models.qwen3_next:Qwen3GatedDeltaNet.__init__"
+    ]
     with pytest.raises(AttributeError):
         pkgutil.resolve_name("sglang.srt.models.qwen3_next:Qwen3GatedDeltaNet.no_such_method")

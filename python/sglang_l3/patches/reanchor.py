@@ -200,7 +200,7 @@ def _postcheck(pipe: Any, req: Any, loaded: int, node: Any, state: Any, had_anch
         metrics.inc("fail_stops")
         raise ReanchorViolation(
             "sglang-l3 reanchor: buffer-only L3 restore violated its invariants after the H2D "
-            f"copy was queued; stopping to avoid serving wrong state: "
+            "copy was queued; stopping to avoid serving wrong state: "
             + _describe(req, node=node, node_slot=node_slot, host_slot=host_slot, loaded=loaded)
             + " — "
             + "; ".join(problems)

@@ -40,8 +40,8 @@ def _say(msg: str) -> None:
 def restored_bytes(st: L3Stack, tokens: int) -> int:
     kv = st.kv_pool
     per_token = sum(
-        kv.get_key_buffer(l)[0].nbytes + kv.get_value_buffer(l)[0].nbytes
-        for l in range(kv.start_layer, kv.start_layer + kv.layer_num)
+        kv.get_key_buffer(layer)[0].nbytes + kv.get_value_buffer(layer)[0].nbytes
+        for layer in range(kv.start_layer, kv.start_layer + kv.layer_num)
     )
     mc = st.mamba_cache
     state = mc.temporal[:, 0].nbytes + sum(c[:, 0].nbytes for c in mc.conv)
