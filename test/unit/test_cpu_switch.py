@@ -89,8 +89,7 @@ def test_cpu_serving_does_not_apply_host_pools_itself(no_accelerator, monkeypatc
     """With cpu-host-pools disabled, the group reports the missing requirement and
     the host pools stay upstream's (formerly cpu-gdn-torch applied them itself)."""
     env = dict(os.environ, SGLANG_L3_DISABLE="cpu-host-pools", SGLANG_L3_CPU_SERVING="1")
-    probe = PROBE.replace("import sglang_l3.plugin", "import sglang_l3.plugin")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
     assert r["states"]["cpu-host-pools"] == "disabled"
@@ -103,3 +102,21 @@ def test_in_process_queue_state() -> None:
     if sglang_l3.cpu.accelerator_present():
         pytest.skip("no CPU patches next to an accelerator")
     assert all(framework.is_applied(pid) for pid in CPU_IDS)
+
+
+def test_stack_applies_host_pools_when_only_enable_was_called(no_accelerator) -> None:
+    """enable() alone (no plugin.register()) then the CPU cache stack: it applies
+    cpu-host-pools itself, as enable() did before it became a switch only."""
+    probe = (
+        "import sglang_l3.cpu; sglang_l3.cpu.enable()\n"
+        "from sglang_l3.patches import framework\n"
+        "assert not framework.is_applied('cpu-host-pools')\n"
+        "from sglang_l3.testing.stack import ensure_cpu_host_pools\n"
+        "ensure_cpu_host_pools()\n"
+        "print('RESULT', framework.is_applied('cpu-host-pools'))\n"
+    )
+    env = dict(os.environ)
+    env.pop(sglang_l3.cpu.ENV_SWITCH, None)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULT True" in out.stdout

@@ -4,7 +4,8 @@ UnifiedRadixCache (Rust or Python tree core) + HybridCacheController +
 buffer-only HiCache + the `file` storage backend, over real device pools
 (HybridReqToTokenPool/MambaPool, HybridLinearKVPool) allocated on "cpu".
 Used by the integration tests, `make demo` and the soak benchmark; needs
-`sglang_l3.cpu.enable()` first. Nothing here re-implements upstream logic: it
+`sglang_l3.cpu.enable()` first (the stack then applies patch cpu-host-pools
+itself if the queue has not been applied since). Nothing here re-implements upstream logic: it
 only calls the APIs the scheduler calls, in the order it calls them.
 """
 
@@ -86,6 +87,20 @@ def _pump(cache: Any, cond: Callable[[], bool], what: str, timeout: float = 120.
     raise RestoreFailed(f"timed out waiting for: {what}")
 
 
+def ensure_cpu_host_pools() -> None:
+    """The CPU switch is on but the queue ran before it was (or never ran):
+    apply cpu-host-pools now, as sglang_l3.cpu.enable() used to."""
+    import sglang_l3.cpu
+    from sglang_l3.patches import framework
+
+    if framework.is_applied("cpu-host-pools") or not sglang_l3.cpu.enabled():
+        return
+    series = framework.load_series()
+    st = framework.apply_one(next(s for s in series if s.id == "cpu-host-pools"), series)
+    if st.state is not framework.State.APPLIED:
+        raise RuntimeError(f"cpu-host-pools: {st.state.value} ({st.detail})")
+
+
 class L3Stack:
     """One cache instance (one "process") over a storage directory."""
 
@@ -107,6 +122,7 @@ class L3Stack:
 
         if tree_core not in TREE_CORES:
             raise ValueError(f"tree_core must be one of {TREE_CORES}")
+        ensure_cpu_host_pools()
         self.spec = spec
         self.storage_dir = storage_dir
         self._exit = contextlib.ExitStack()
