@@ -127,7 +127,7 @@ def add_parser(subparsers) -> None:
             "dead writers' tmp files are removed too. Removing more than half of the store asks for "
             "confirmation on a terminal and needs --yes otherwise.")
     s.add_argument("--to", required=True, metavar="SIZE",
-                   help=f"target size, e.g. {SIZE_EXAMPLES} (N%% = of the filesystem holding the store); "
+                   help=f"target size, e.g. {SIZE_EXAMPLES.replace('%', '%%')} (N%% = of the filesystem holding the store); "
                         "0 empties the store (asks first)")
     s.add_argument("--yes", "-y", action="store_true", help="do not ask; required when stdin is not a terminal")
     s.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
