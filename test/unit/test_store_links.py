@@ -208,3 +208,34 @@ def test_manifest_link_is_replaced_not_written_through(tmp_path):
     st, _ = _open(root)
     assert victim.read_text() == "keep" and not os.path.islink(man)
     st.close()
+
+
+def test_helpers_for_tables_added_later(tmp_path):
+    """A later table (e.g. sessions/) gets the same rules through safety's helpers."""
+    from sglang_l3.storage.safety import (
+        UnsafeStoreError,
+        read_store_file,
+        replace_store_file,
+    )
+
+    root = tmp_path / "store"
+    replace_store_file(root, "sessions", "m.json", b"{}")
+    assert read_store_file(root, "sessions", "m.json") == b"{}"
+    assert stat.S_IMODE(os.stat(root / "sessions").st_mode) == 0o700
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    (root / "sessions" / "m.json").unlink()
+    os.symlink(victim, root / "sessions" / "m.json")
+    assert read_store_file(root, "sessions", "m.json") is None  # a link is not read
+    replace_store_file(
+        root, "sessions", "m.json", b"[]"
+    )  # ... and is replaced, not written through
+    assert (
+        victim.read_bytes() == b"keep"
+        and read_store_file(root, "sessions", "m.json") == b"[]"
+    )
+    os.chmod(root / "sessions", 0o777)
+    with pytest.raises(UnsafeStoreError, match="sessions"):
+        read_store_file(root, "sessions", "m.json")
+    with pytest.raises(UnsafeStoreError, match="sessions"):
+        _open(root)  # the server refuses a store with an unsafe table directory too

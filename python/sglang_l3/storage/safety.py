@@ -427,3 +427,20 @@ class StoreDirs:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_store_file(
+    root: PathLike, sub: str, name: str, max_bytes: int = 64 << 20
+) -> bytes | None:
+    """One-off safe read of `<root>/<sub>/<name>` (a table kept in the store):
+    the store is checked like the server checks it; None when absent or unsafe."""
+    with StoreDirs(root, (sub,), create=False) as dirs:
+        return dirs.read_file(sub, name, max_bytes) if dirs.has(sub) else None
+
+
+def replace_store_file(
+    root: PathLike, sub: str, name: str, data: bytes, *, durable: bool = False
+) -> None:
+    """One-off atomic write of `<root>/<sub>/<name>` (creating `sub` 0700 if needed)."""
+    with StoreDirs(root, (*SUBDIRS, sub)) as dirs:
+        dirs.replace_file(sub, name, data, durable=durable)
