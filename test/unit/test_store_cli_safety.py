@@ -109,7 +109,7 @@ def test_clear_without_terminal_needs_yes(store):
     rc, out, err = cli("--dir", store, "clear")
     assert rc != 0 and "--yes" in err
     assert len(pages(store)) == N
-    rc, out, err = cli("--dir", store, "clear", "--yes")
+    rc, _, err = cli("--dir", store, "clear", "--yes")
     assert rc == 0, err
     assert pages(store) == []
 
@@ -310,7 +310,7 @@ def test_dead_writers_tmp_files_removed_live_ones_kept(tmp_path, how):
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep")
     os.symlink(victim, root / "tmp" / "999999998-link.tmp")
-    rc, out, err = cli("--dir", root, *how)
+    rc, _, err = cli("--dir", root, *how)
     assert rc == 0, err
     assert (
         live.exists()
