@@ -106,7 +106,7 @@ def test_every_size_example_in_the_help_works(store):
 
 
 def test_clear_without_terminal_needs_yes(store):
-    rc, out, err = cli("--dir", store, "clear")
+    rc, _, err = cli("--dir", store, "clear")
     assert rc != 0 and "--yes" in err
     assert len(pages(store)) == N
     rc, _, err = cli("--dir", store, "clear", "--yes")
