@@ -239,3 +239,20 @@ def test_helpers_for_tables_added_later(tmp_path):
         read_store_file(root, "sessions", "m.json")
     with pytest.raises(UnsafeStoreError, match="sessions"):
         _open(root)  # the server refuses a store with an unsafe table directory too
+
+
+def test_link_at_the_writer_lock_name_is_replaced(tmp_path):
+    root = tmp_path / "store"
+    st, _ = _open(root)
+    st.close()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    lock = root / "locks" / f"{os.getpid()}.lock"
+    lock.unlink()  # left by the closed store; plant a link in its place
+    os.symlink(victim, lock)
+    st, _ = _open(root)
+    assert (
+        not os.path.islink(root / "locks" / f"{os.getpid()}.lock")
+        and victim.read_bytes() == b"keep"
+    )
+    st.close()

@@ -86,7 +86,10 @@ class PageStore:
         self.quarantine_dir = str(self.root / "quarantine")
         self.counters = metrics.Counters()
         self._qlock = threading.Lock()
-        writers.hold_writer_lock(self.dirs)
+        try:
+            writers.hold_writer_lock(self.dirs)
+        except OSError as e:  # e.g. no flock on this filesystem: liveness falls back to the pid check
+            logger.warning("sglang-l3 store: cannot take the writer lock in %s: %s", self.dirs.path("locks"), e)
         self._cleanup_tmp()
         self._write_manifest()
         self.odirect = self._probe_odirect(settings.odirect)

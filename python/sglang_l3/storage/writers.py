@@ -86,6 +86,11 @@ def _take(dirs: StoreDirs, pid: int) -> int:
                 fd = dirs.open_file("locks", name, os.O_RDWR)
             except FileNotFoundError:
                 continue
+            except (
+                UnsafeFileError
+            ):  # a link / special file at our lock's name: remove it, retry
+                dirs.remove("locks", name)
+                continue
         fcntl.flock(fd, fcntl.LOCK_SH)
         kind, now = dirs.classify("locks", name)
         mine = os.fstat(fd)
