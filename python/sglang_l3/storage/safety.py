@@ -246,9 +246,9 @@ def open_file(
     """Open `name` inside an opened store directory: never through a link, only
     a regular file owned by us. Creation always uses O_EXCL. Raises
     UnsafeFileError (an OSError) for a link / directory / special / foreign
-    file, FileNotFoundError when absent, ValueError for a bad name."""
-    if not valid_name(name):
-        raise ValueError(f"invalid file name {name!r}")
+    file, FileNotFoundError when absent, OSError(EPERM) for a bad name (EINVAL means "no O_DIRECT here")."""
+    if not valid_name(name):  # an OSError, so IO paths treat it like any failed open
+        raise OSError(errno.EPERM, f"invalid file name {name!r}")
     if flags & os.O_CREAT:
         flags |= os.O_EXCL
     try:
