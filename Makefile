@@ -9,9 +9,30 @@ SUITE   ?= cpu
 # between venvs is rebuilt on each switch, inside a serving thread.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
-.PHONY: install test test-upstream demo demo-stack demo-server bench soak doctor
+# Mooncake (the distributed L3, docs/distributed.md): its wheel + the Debian
+# libraries it loads. MOONCAKE=0 skips it (the Mooncake tests then skip, saying why).
+MOONCAKE      ?= 1
+MOONCAKE_PKG  := mooncake-transfer-engine-non-cuda==0.3.13.post1
+MOONCAKE_DEBS := libibverbs1 libnuma1 libcurl4
+MC_STAMP      := $(VENV)/.mooncake-installed
 
-install: $(STAMP)
+.PHONY: install install-mooncake test test-upstream demo demo-stack demo-server bench soak doctor
+
+install: $(STAMP) $(if $(filter 1,$(MOONCAKE)),$(MC_STAMP))
+
+install-mooncake: $(MC_STAMP)
+
+$(MC_STAMP): $(STAMP)
+	@missing=""; for p in $(MOONCAKE_DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo -n"; fi; \
+	  echo "installing Debian packages for Mooncake:$$missing"; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$missing \
+	    || { echo "cannot install$$missing (needs apt-get and root); install them, or run with MOONCAKE=0"; exit 1; }; \
+	fi
+	$(PIP) install -q $(MOONCAKE_PKG)
+	$(PY) -c "import mooncake.store"
+	touch $(MC_STAMP)
 
 $(STAMP): pyproject.toml requirements/cpu.txt
 	test -x $(PY) || $(PY_BOOT) -m venv $(VENV)
@@ -26,7 +47,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	touch $(STAMP)
 
 test: install
-	$(PY) test/run_suite.py --suite $(SUITE)
+	SGLANG_L3_REQUIRE_MOONCAKE=$(MOONCAKE) $(PY) test/run_suite.py --suite $(SUITE)
 
 test-upstream: install
 	$(PY) test/run_suite.py --suite upstream
