@@ -75,12 +75,22 @@ def measure(
     repeats: int,
 ) -> tuple[float, float]:
     """(median write seconds, median restore seconds) for one context size."""
+    import psutil
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang_l3.testing.stack import L3Stack
 
     writes, restores = [], []
-    with L3Stack(
-        spec(tokens, page_size), workdir, storage_backend=backend, extra_config=extra
-    ) as st:
+    # Book the (small) host pools against free RAM: upstream otherwise keeps a
+    # 10 GiB reserve (pool_host/base.py), more than a busy small machine has.
+    with (
+        host_memory_budget_scope(psutil.virtual_memory().available // 2),
+        L3Stack(
+            spec(tokens, page_size),
+            workdir,
+            storage_backend=backend,
+            extra_config=extra,
+        ) as st,
+    ):
         for r in range(repeats):
             seq = list(
                 range(1 + r * 7919, 1 + r * 7919 + tokens)
