@@ -79,6 +79,14 @@ def per_gib(cpu_s: float, nbytes: int) -> float:
     return cpu_s / (nbytes / 2**30)
 
 
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 TMPFS_MAGIC = 0x01021994
 
 
@@ -459,7 +467,12 @@ def main() -> int:
     log(f"workload: {w.kv_pages} KV pages x {w.kv_page / MiB:.0f} MiB + {w.n_states} Mamba states x "
         f"{mamba_bytes / MiB:.1f} MiB = {w.total / 2**30:.2f} GiB per system; dir {work}"
         + ("  [tmpfs: CPU cost, buffered IO]" if args.tmpfs else ""))
-    kv, mb = make_pools(w.batch, 2, args.mamba_layers)
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    # Upstream keeps a large reserve for a serving process; these pools are
+    # small and only need to fit in what is free now (the machine may be shared).
+    with host_memory_budget_scope(mem_available()):
+        kv, mb = make_pools(w.batch, 2, args.mamba_layers)
     fill(kv, 1)
     fill(mb, 2)
     # A server freezes its start-up objects out of the cyclic GC once warm
