@@ -52,6 +52,7 @@ from sglang_l3.storage.format import (
     header_len_for,
     n_blocks_for,
 )
+from sglang_l3.storage.safety import StoreDirs, UnsafeFileError, open_file
 
 logger = logging.getLogger(__name__)
 
@@ -239,12 +240,18 @@ class IOEngine:
         durability: str,
         tmp_dir: str,
         pages_dir: str,
+        dirs: StoreDirs | None = None,
     ):
         self.threads = threads
         self.odirect = bool(odirect and _O_DIRECT)
         self.durability = durability
         self.tmp_dir = tmp_dir
         self.pages_dir = pages_dir
+        # Opened, checked tmp/ and pages/: every open, rename and unlink is
+        # relative to them and follows no link (safety.open_file).
+        self._dir_fds: dict[str, int] = {}
+        if dirs is not None:
+            self._dir_fds = {os.path.abspath(dirs.path(s)): dirs.fd(s) for s in ("tmp", "pages")}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="sglang-l3-io")
         self._lock = threading.Lock()
         self._tls = threading.local()
@@ -274,16 +281,47 @@ class IOEngine:
             self._tls.bounce = mv
         return mv
 
+    def _at(self, path: str) -> tuple[int | None, str]:
+        """(directory fd, name) for a path in tmp/ or pages/; (None, path) otherwise."""
+        head, name = os.path.split(path)
+        return self._dir_fds.get(os.path.abspath(head)), name
+
+    def _open_nofollow(self, path: str, flags: int, mode: int) -> int:
+        """A regular file of ours, never through a link (UnsafeFileError otherwise)."""
+        dfd, name = self._at(path)
+        if dfd is not None:
+            return open_file(dfd, name, flags, mode)
+        head, name = os.path.split(os.path.abspath(path))
+        dfd = os.open(head, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return open_file(dfd, name, flags, mode)
+        finally:
+            os.close(dfd)
+
+    def _rename(self, src: str, dst: str) -> None:
+        (sfd, sname), (dfd, dname) = self._at(src), self._at(dst)
+        if sfd is not None and dfd is not None:
+            os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)  # replaces a link, never follows it
+        else:
+            os.rename(src, dst)
+
+    def _unlink(self, path: str) -> None:
+        dfd, name = self._at(path)
+        if dfd is not None:
+            os.unlink(name, dir_fd=dfd)
+        else:
+            os.unlink(path)
+
     def _open(self, path: str, flags: int, direct: bool, mode: int = 0o600) -> tuple[int, bool]:
         if direct:
             try:
-                return os.open(path, flags | _O_DIRECT | os.O_CLOEXEC, mode), True
+                return self._open_nofollow(path, flags | _O_DIRECT, mode), True
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 logger.warning("sglang-l3 store: O_DIRECT unsupported here (%s); using buffered IO", e)
                 self.odirect = False
-        return os.open(path, flags | os.O_CLOEXEC, mode), False
+        return self._open_nofollow(path, flags, mode), False
 
     def _header_arena(self, nbytes: int) -> memoryview:
         """Aligned scratch for this call's headers, reused per calling thread
@@ -410,7 +448,7 @@ class IOEngine:
                         os.fdatasync(p.fd)
                     os.close(p.fd)
                     p.fd = -1
-                    os.rename(p.tmp, job.final_path)
+                    self._rename(p.tmp, job.final_path)
                     results[p.index] = IOResult(True, direct=p.direct, bounce=p.bounce)
                 except BaseException as e:
                     self._discard(p)
@@ -421,11 +459,15 @@ class IOEngine:
             self._run(pages, task, finalize)
             if self.durability == "batch" and any(results[p.index].ok for p in pages):
                 try:
-                    dfd = os.open(self.pages_dir, os.O_RDONLY | os.O_DIRECTORY)
-                    try:
+                    dfd = self._dir_fds.get(os.path.abspath(self.pages_dir))
+                    if dfd is not None:
                         os.fsync(dfd)
-                    finally:
-                        os.close(dfd)
+                    else:
+                        dfd = os.open(self.pages_dir, os.O_RDONLY | os.O_DIRECTORY)
+                        try:
+                            os.fsync(dfd)
+                        finally:
+                            os.close(dfd)
                 except OSError as e:  # renames happened; only durability is in doubt
                     logger.warning("sglang-l3 store: directory fsync failed: %s", e)
         return [r if r is not None else IOResult(False, "io_error", "not run") for r in results]
@@ -438,8 +480,7 @@ class IOEngine:
         p.hdr[:] = header  # aligned buffer for O_DIRECT
         return p.hdr
 
-    @staticmethod
-    def _discard(p: _Page) -> None:
+    def _discard(self, p: _Page) -> None:
         if p.fd >= 0:
             try:
                 os.close(p.fd)
@@ -448,12 +489,14 @@ class IOEngine:
             p.fd = -1
         if p.tmp:
             try:
-                os.unlink(p.tmp)
+                self._unlink(p.tmp)
             except OSError:
                 pass
 
     @staticmethod
     def _error_result(e: BaseException) -> IOResult:
+        if isinstance(e, UnsafeFileError):  # a link / directory / FIFO / foreign file at the name: damage
+            return IOResult(False, e.kind, str(e), corrupt=True)
         if isinstance(e, OSError) and e.errno in _ENOSPC:
             return IOResult(False, "enospc", str(e))
         if isinstance(e, FileNotFoundError):
