@@ -11,9 +11,30 @@ SGLANG_PIN := $(shell sed -n 's/^SGLANG_PIN = "\(.*\)"/\1/p' python/sglang_l3/__
 # between venvs is rebuilt on each switch, inside a serving thread.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
-.PHONY: install lint test test-upstream demo demo-stack demo-server bench soak doctor
+# Mooncake (the distributed L3, docs/distributed.md): its wheel + the Debian
+# libraries it loads. MOONCAKE=0 skips it (the Mooncake tests then skip, saying why).
+MOONCAKE      ?= 1
+MOONCAKE_PKG  := mooncake-transfer-engine-non-cuda==0.3.13.post1
+MOONCAKE_DEBS := libibverbs1 libnuma1 libcurl4
+MC_STAMP      := $(VENV)/.mooncake-installed
 
-install: $(STAMP)
+.PHONY: install install-mooncake lint test test-upstream demo demo-stack demo-server bench soak doctor
+
+install: $(STAMP) $(if $(filter 1,$(MOONCAKE)),$(MC_STAMP))
+
+install-mooncake: $(MC_STAMP)
+
+$(MC_STAMP): $(STAMP)
+	@missing=""; for p in $(MOONCAKE_DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo -n"; fi; \
+	  echo "installing Debian packages for Mooncake:$$missing"; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$missing \
+	    || { echo "cannot install$$missing (needs apt-get and root); install them, or run with MOONCAKE=0"; exit 1; }; \
+	fi
+	$(PIP) install -q $(MOONCAKE_PKG)
+	$(PY) -c "import mooncake.store"
+	touch $(MC_STAMP)
 
 $(STAMP): pyproject.toml requirements/cpu.txt
 	test -x $(PY) || $(PY_BOOT) -m venv $(VENV)
@@ -33,7 +54,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 test: install
-	$(PY) test/run_suite.py --suite $(SUITE)
+	SGLANG_L3_REQUIRE_MOONCAKE=$(MOONCAKE) $(PY) test/run_suite.py --suite $(SUITE)
 
 test-upstream: install
 	$(PY) test/run_suite.py --suite upstream

@@ -84,6 +84,12 @@ _VARS = (
     EnvVar("SGLANG_L3_GPTQ_OPS", "", "path of a library with a native gptq_gemm_rdna3 op", "quant"),
     EnvVar("SGLANG_L3_GPTQ_NATIVE", "1", "0: never probe native GPTQ ops", "quant"),
     # test harnesses
+    EnvVar(
+        "SGLANG_L3_REQUIRE_MOONCAKE",
+        "0",
+        "1: the Mooncake tests fail instead of skipping when Mooncake is not installed (set by `make test`)",
+        "tests",
+    ),
     EnvVar("SGLANG_L3_E2E_STARTUP_TIMEOUT", "420", "seconds an e2e test server may take to start", "tests"),
 )
 

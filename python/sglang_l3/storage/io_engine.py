@@ -2,10 +2,18 @@
 
 Upstream's file backend reads/writes one page at a time on one thread through
 a temporary tensor (HiCacheFile.batch_get / batch_set). Here a batch of pages is cut
-into 4 MiB checksum blocks; a thread pool runs one `preadv`/`pwritev` per
-block directly on the caller's memoryviews (the host pool's own memory), so
-the disk sees many requests in flight and no byte is copied in user space.
-Checksums are computed per block in the same worker (xxhash releases the GIL).
+into 4 MiB checksum blocks; workers (the calling thread plus pool threads)
+pull blocks off one shared list and run one `preadv`/`pwritev` per block
+directly on the caller's memoryviews (the host pool's own memory), so the disk
+sees many requests in flight and no byte is copied in user space. Checksums
+are computed per block in the same worker (xxhash releases the GIL); buffered
+reads are hashed piece by piece right after each piece lands, while it is
+still in the CPU cache.
+
+CPU cost (benchmark/storage_bench.py --tmpfs): a buffered copy is CPU work, so
+a batch without O_DIRECT runs on at most one worker per CPU - more threads only
+preempt each other mid-copy and evict each other's blocks from the cache;
+O_DIRECT batches use all `io_threads` (queue depth for the device).
 
 Writes: tmp file (O_EXCL, 0600) -> fallocate -> payload blocks -> header ->
 [fdatasync] -> rename; with durability=batch the pages directory is fsynced
@@ -20,6 +28,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
+import itertools
 import logging
 import mmap
 import os
@@ -35,6 +44,8 @@ from sglang_l3.storage.format import (
     BLOCK_BYTES,
     Header,
     HeaderError,
+    align_up,
+    block_hasher,
     block_sum,
     decode_header,
     encode_header,
@@ -49,6 +60,16 @@ _IOV_MAX = 512
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _ENOSPC = {errno.ENOSPC, errno.EDQUOT}
 _TOUCH_AFTER_S = 60.0
+# Buffered reads land piece by piece and each piece is hashed while it is in
+# the CPU cache (L2 is 1-2 MiB per core); the block's checksum is unchanged.
+_READ_PIECE = 512 << 10
+
+
+def _cpu_count() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 @dataclass
@@ -167,6 +188,27 @@ def _aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(nbytes, ALIGN))  # anonymous maps are page-aligned
 
 
+def _read_hashed(p: _Page, i: int, a: int, b: int) -> None:
+    """Buffered read of payload block i ([a, b)) in pieces, each hashed while
+    it is still in the cache (block 0 brings the header along)."""
+    h = block_hasher()
+    s = a
+    while s < b:
+        e = min(s + _READ_PIECE, b)
+        views = _slice(p.runs, p.cum, s, e)
+        if s == 0:
+            got = _preadv_all(p.fd, [p.hdr] + views, 0) - p.hlen
+        else:
+            got = _preadv_all(p.fd, views, p.hlen + s)
+        if got != e - s:
+            p.short = True
+            return
+        for v in views:
+            h.update(v)
+        s = e
+    p.sums[i] = h.intdigest()
+
+
 @dataclass
 class _Page:
     index: int
@@ -213,6 +255,7 @@ class IOEngine:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="sglang-l3-io")
         self._lock = threading.Lock()
         self._tls = threading.local()
+        self._cpus = _cpu_count()
         self._closed = False
 
     def close(self) -> None:
@@ -280,38 +323,62 @@ class IOEngine:
                 self.odirect = False
         return self._open_nofollow(path, flags, mode), False
 
+    def _header_arena(self, nbytes: int) -> memoryview:
+        """Aligned scratch for this call's headers, reused per calling thread
+        (a fresh anonymous map per batch costs page faults and zeroing)."""
+        arena = getattr(self._tls, "headers", None)
+        if arena is None or arena.nbytes < nbytes:
+            arena = memoryview(_aligned_buffer(align_up(nbytes, 1 << 20)))
+            self._tls.headers = arena
+        return arena[:nbytes]
+
+    def _workers(self, pages: list[_Page]) -> int:
+        """Buffered IO is a CPU copy: one worker per CPU. O_DIRECT waits on the
+        device: io_threads requests in flight."""
+        if any(p.direct for p in pages):
+            return self.threads
+        return min(self.threads, self._cpus)
+
     def _run(self, pages: list[_Page], task: Callable[[_Page, int], None],
              finalize: Callable[[_Page], None]) -> None:
-        """Run every block of every page on the pool; the last block of a page
-        finalizes it in the same worker (so fdatasync/rename run in parallel)."""
-        done = threading.Semaphore(0)
-        lock = threading.Lock()
-
-        def block(page: _Page, i: int) -> None:
-            try:
-                if page.error is None:
-                    task(page, i)
-            except BaseException as e:  # recorded, never raised into the caller
-                page.error = page.error or e
-            with lock:
-                page.remaining -= 1
-                last = page.remaining == 0
-            if last:
-                try:
-                    finalize(page)
-                finally:
-                    done.release()
-
-        n = 0
+        """Run every block of every page; the last block of a page finalizes it
+        in the same worker (so fdatasync/rename run in parallel). Workers take
+        blocks off one list (no per-block future or hand-off); the caller is
+        one of them, so one worker means no thread switch at all."""
+        blocks: list[tuple[_Page, int]] = []
         for page in pages:
             nb = n_blocks_for(page.payload_len)
             page.remaining = nb
-            page.sums = [None] * nb
-            n += 1
-            for i in range(nb):
-                self._pool.submit(block, page, i)
-        for _ in range(n):
-            done.acquire()
+            page.sums = [0] * nb
+            blocks.extend((page, i) for i in range(nb))
+        n_blocks = len(blocks)
+        claim = itertools.count().__next__  # atomic under the GIL
+        lock = threading.Lock()
+
+        def drain() -> None:
+            while True:
+                k = claim()
+                if k >= n_blocks:
+                    return
+                page, i = blocks[k]
+                try:
+                    if page.error is None:
+                        task(page, i)
+                except BaseException as e:  # recorded, never raised into the caller
+                    page.error = page.error or e
+                with lock:
+                    page.remaining -= 1
+                    last = page.remaining == 0
+                if last:
+                    try:
+                        finalize(page)
+                    except BaseException:  # finalize records its own result
+                        logger.exception("sglang-l3 store: finalizing a page failed")
+
+        helpers = [self._pool.submit(drain) for _ in range(min(self._workers(pages), n_blocks) - 1)]
+        drain()
+        for f in helpers:
+            f.result()
 
     # ------------------------------------------------------------------ write
     def write(self, jobs: Sequence[WriteJob]) -> list[IOResult]:
@@ -349,11 +416,11 @@ class IOEngine:
             pages.append(page)
         if pages:
             if any(p.direct for p in pages):
-                hbuf = _aligned_buffer(sum(p.hlen for p in pages))
+                hbuf = self._header_arena(sum(p.hlen for p in pages if p.direct))
             off = 0
             for p in pages:
                 if p.direct:
-                    p.hdr = memoryview(hbuf)[off : off + p.hlen]
+                    p.hdr = hbuf[off : off + p.hlen]
                     off += p.hlen
 
             def task(p: _Page, i: int) -> None:
@@ -470,14 +537,17 @@ class IOEngine:
             pages.append(page)
         if not pages:
             return [r for r in results]  # type: ignore[misc]
-        hbuf = _aligned_buffer(sum(p.hlen for p in pages))
+        hbuf = self._header_arena(sum(p.hlen for p in pages))
         off = 0
         for p in pages:
-            p.hdr = memoryview(hbuf)[off : off + p.hlen]
+            p.hdr = hbuf[off : off + p.hlen]
             off += p.hlen
 
         def task(p: _Page, i: int) -> None:
             a, b = i * BLOCK_BYTES, min((i + 1) * BLOCK_BYTES, p.payload_len)
+            if not p.direct:
+                _read_hashed(p, i, a, b)
+                return
             views = _slice(p.runs, p.cum, a, b)
             want = b - a
             dst = [self._bounce()[:want]] if p.bounce else views

@@ -87,6 +87,7 @@ class PageStore:
         self.quarantine_dir = str(self.root / "quarantine")
         self.counters = metrics.Counters()
         self._qlock = threading.Lock()
+        self._static_meta: dict[tuple[str, str], dict] = {}
         try:
             writers.hold_writer_lock(self.dirs)
         except OSError as e:  # e.g. no flock on this filesystem: liveness falls back to the pid check
@@ -318,19 +319,8 @@ class PageStore:
             if owned:
                 admit = (lambda stem, n, k: lambda: self.evictor.reserve(stem, n, key=k))(
                     name.stem, it.spec.file_len, it.key)
-            meta = {
-                "key": it.key,
-                "pool": it.spec.layout.pool,
-                "mid": self.mid,
-                "shard": name.shard,
-                "pool_digest": it.spec.digest,
-                "model": self.model.as_dict(),
-                "pool_layout": it.spec.layout.as_dict(),
-                "prior": it.prior,
-                "depth": it.depth,
-                "checksum": CHECKSUM_NAME,
-                "created": round(time.time(), 3),
-            }
+            meta = dict(self._page_meta(it.spec, name.shard), key=it.key, prior=it.prior, depth=it.depth,
+                        created=round(time.time(), 3))
             jobs.append(WriteJob(path, it.runs, it.spec.payload_len, meta, admit))
             where.append((i, name, owned))
         t0 = time.perf_counter()
@@ -364,6 +354,23 @@ class PageStore:
         for i, j in dup:
             out[i] = out[j]
         return out
+
+    def _page_meta(self, spec: PoolSpec, shard: str) -> dict:
+        """The header fields shared by every page of a pool (built once: the
+        identity dicts cost more per page than the IO bookkeeping)."""
+        m = self._static_meta.get((spec.digest, shard))
+        if m is None:
+            m = {
+                "pool": spec.layout.pool,
+                "mid": self.mid,
+                "shard": shard,
+                "pool_digest": spec.digest,
+                "model": self.model.as_dict(),
+                "pool_layout": spec.layout.as_dict(),
+                "checksum": CHECKSUM_NAME,
+            }
+            self._static_meta[(spec.digest, shard)] = m
+        return m
 
     # ----------------------------------------------------------- quarantine
     def quarantine(self, path: str, reason: str, file_id: Optional[tuple[int, int]] = None) -> bool:

@@ -32,6 +32,7 @@ import sglang_l3
 
 TINY_MODEL_DIR = Path(sglang_l3.__file__).resolve().parent / "models" / "tiny-qwen3next"
 READY_LINE = "The server is fired up"
+BIND_ERROR = "error while attempting to bind on address"
 
 
 def free_port() -> int:
@@ -58,7 +59,11 @@ def warm_hicache_hash_extension() -> None:
 class ServerConfig:
     """What the CPU L3 server is started with (defaults: the demo/e2e settings)."""
 
-    storage_dir: Optional[str] = None  # None: no HiCache at all
+    storage_dir: Optional[str] = None  # None (and backend "file"): no HiCache at all
+    # --hicache-storage-backend; "mooncake" joins the store named by storage_extra_config
+    # (e.g. sglang_l3.testing.mooncake.MooncakeCluster.extra_config()), no storage_dir needed
+    storage_backend: str = "file"
+    storage_extra_config: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
     max_total_tokens: int = 4096
     max_mamba_cache_size: int = 32
@@ -68,6 +73,10 @@ class ServerConfig:
     prefetch_threshold: Optional[int] = None
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def hicache(self) -> bool:
+        return self.storage_dir is not None or self.storage_backend != "file"
 
     def args(self, port: int) -> list[str]:
         a = [
@@ -93,21 +102,25 @@ class ServerConfig:
             a += ["--chunked-prefill-size", str(self.chunked_prefill_size)]
         if self.page_size is not None:
             a += ["--page-size", str(self.page_size)]
-        if self.storage_dir is not None:
+        if self.hicache:
             a += [
                 "--enable-hierarchical-cache",
-                "--hicache-storage-backend", "file",
+                "--hicache-storage-backend", self.storage_backend,
                 "--hicache-mem-layout", "buffer_only",
             ]
+            extra = dict(self.storage_extra_config)
             if self.prefetch_threshold is not None:
-                a += [
-                    "--hicache-storage-backend-extra-config",
-                    json.dumps({"prefetch_threshold": self.prefetch_threshold}),
-                ]
+                extra["prefetch_threshold"] = self.prefetch_threshold
+            if extra:
+                a += ["--hicache-storage-backend-extra-config", json.dumps(extra)]
         return a + list(self.extra_args)
 
 
 class ServerError(RuntimeError):
+    pass
+
+
+class _PortTaken(ServerError):
     pass
 
 
@@ -130,6 +143,18 @@ class Server:
         return [self.python, "-m", "sglang.launch_server", *self.config.args(self.port)]
 
     def start(self) -> "Server":
+        # free_port() reserves nothing: the server's own scheduler (gloo,
+        # Mooncake's transfer engine) may bind that ephemeral port before the
+        # HTTP server does. Then retry on another port.
+        for _ in range(3):
+            try:
+                return self._start_once()
+            except _PortTaken:
+                self.port = free_port()
+                self.base = f"http://127.0.0.1:{self.port}"
+        raise ServerError(f"the HTTP port was taken three times; log {self.log_path}:\n{self.log_tail()}")
+
+    def _start_once(self) -> "Server":
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         if self.config.device == "cpu":
@@ -157,8 +182,12 @@ class Server:
                 self.stop()
                 raise ServerError(f"server exited with {code} during start-up; "
                                   f"log {self.log_path}:\n{self.log_tail()}")
-            if READY_LINE in self.log_text():
+            text = self.log_text()
+            if READY_LINE in text:
                 return
+            if BIND_ERROR in text and f"'127.0.0.1', {self.port})" in text:
+                self.stop()
+                raise _PortTaken(self.port)
             time.sleep(0.5)
         self.stop()
         raise ServerError(f"server not ready after {self.startup_timeout:.0f} s; "

@@ -102,7 +102,13 @@ def ensure_cpu_host_pools() -> None:
 
 
 class L3Stack:
-    """One cache instance (one "process") over a storage directory."""
+    """One cache instance (one "process") over a storage directory.
+
+    `storage_backend` is the `--hicache-storage-backend` name (default `file`,
+    sglang-l3's store; `mooncake` joins the store that `extra_config` names,
+    e.g. `sglang_l3.testing.mooncake.MooncakeCluster.extra_config()`).
+    `extra_config` is `--hicache-storage-backend-extra-config`.
+    """
 
     def __init__(
         self,
@@ -112,6 +118,7 @@ class L3Stack:
         tree_core: str = "rust",
         prefetch_threshold: int = 1,
         write_policy: str = "write_through",
+        storage_backend: str = "file",
         extra_config: Optional[dict[str, Any]] = None,
         server_args: Optional[dict[str, Any]] = None,
     ):
@@ -135,7 +142,7 @@ class L3Stack:
             hicache_io_backend="direct",
             hicache_mem_layout="page_first_direct",
             hicache_write_policy=write_policy,
-            hicache_storage_backend="file",
+            hicache_storage_backend=storage_backend,
             hicache_storage_backend_extra_config=json.dumps(cfg),
             hicache_storage_prefetch_policy="wait_complete",
             hicache_host_memory_mode="buffer_only",
