@@ -51,6 +51,7 @@ Example: nice -n 10 python benchmark/restore_bench.py --contexts 8192,32768,1310
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -388,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
                     gbps = total / ours["wall"] / 1e9 if ours["loaded"] else 0.0
                     cpu_gib = ours["cpu"] / (total / 2**30) if total else float("nan")
                     ratio = (
-                        gbps / store_gbps if store_gbps == store_gbps else float("nan")
+                        gbps / store_gbps
+                        if not math.isnan(store_gbps)
+                        else float("nan")
                     )
                     print(
                         f"{m.name:20s} {context:>8d} {label:>6s} {ours['host']:>8d} {ours['loaded']:>8d} {total:>12d} "
