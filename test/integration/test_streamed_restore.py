@@ -261,3 +261,110 @@ def test_two_streams_through_one_buffer(tmp_path, core: str) -> None:
         req, loaded = st.restore(c, "C")
         check_restored(st, c, req, loaded, want_c)
         back_to_baseline(st, req)
+
+
+@pytest.mark.parametrize("core", TREE_CORES)
+def test_users_case_through_real_admission(tmp_path, core: str) -> None:
+    """The issue's server case on the real admission path (`SchedulerHarness`:
+    `_add_request_to_queue` → `_prefetch_kvcache` → `_get_new_batch_prefill_raw`,
+    `PrefillAdder.add_one_req`): device pool 4096, page 64, `hicache_ratio` 0.25
+    (host pool 1088), a 1792-token context written by one process and admitted by
+    a fresh one with the whole context from L3, then extended."""
+    from sglang_l3.testing.scheduler_harness import SchedulerHarness
+
+    spec = HybridSpec(page_size=64, kv_size=4096, max_context_len=4096)
+    args = {"hicache_ratio": 0.25}
+    seq = list(range(5, 5 + 1792))
+    with L3Stack(spec, str(tmp_path), tree_core=core, server_args=args) as w:
+        want = w.write(seq, marker=4.0)
+        w.settle()
+    with L3Stack(spec, str(tmp_path), tree_core=core, server_args=args) as st:
+        cc = st.cache.cache_controller
+        cc.prefetch_capacity_limit = int(0.9 * cc.mem_pool_host.size)
+        assert 2 * cc.mem_pool_host.size > len(seq) > cc.mem_pool_host.size
+        st.scribble()
+        h = SchedulerHarness(st, chunked_prefill_size=4096)
+        c0 = metrics.snapshot()
+        req = h.make_req(seq + [3, 4, 5])
+        h.arrive(req)
+        h.wait_prefetch(req)
+        batch = h.admit()
+        assert batch is not None and req in batch.reqs
+        assert req.prefix_len == len(seq), (req.prefix_len, len(seq))
+        c1 = metrics.snapshot()
+        assert (
+            c1.get("l3_stream_restore{restored}", 0)
+            == c0.get("l3_stream_restore{restored}", 0) + 1
+        )
+        assert c1.get("l3_restores", 0) == c0.get("l3_restores", 0) + 1
+        assert c1.get("fail_stops", 0) == c0.get("fail_stops", 0)
+        h.forward(batch)
+        m = st.match(seq)
+        assert m.device_prefix_len == len(seq)
+        k, v = st.expected_kv(seq)
+        got = st.snapshot(m.last_device_node, st.node_mamba_slot(m.last_device_node))
+        assert got.k.equal(k) and got.v.equal(v) and got.equal(want)
+        slot = int(req.kv.mamba_pool_idx)
+        assert all(a.equal(b) for a, b in zip(h.mamba_state(slot), want.mamba)), (
+            "request Mamba slot differs"
+        )
+        h.finish(req)
+        st.settle()
+        assert not lane_of(st.cache.buffer_pipeline).streams
+
+
+@pytest.mark.parametrize("credit", [True, False])
+def test_tight_device_pool_admits_with_the_row_credit(tmp_path, credit: bool) -> None:
+    """Device pool 2560, context 1792: R (1536 rows) is allocated while streaming,
+    so upstream's budget (which charges the whole span as new tokens) sees only
+    1024 free. With the credit the request is admitted with its whole prefix;
+    without it (control) the staged hold is deferred at admission."""
+    from sglang_l3.patches import framework
+    from sglang_l3.testing.scheduler_harness import SchedulerHarness
+
+    spec = HybridSpec(page_size=64, kv_size=2560, max_context_len=2560)
+    args = {"hicache_ratio": 0.25}
+    seq = list(range(5, 5 + 1792))
+    with L3Stack(spec, str(tmp_path), server_args=args) as w:
+        w.write(seq, marker=4.0)
+        w.settle()
+    with L3Stack(spec, str(tmp_path), server_args=args) as st:
+        cc = st.cache.cache_controller
+        cc.prefetch_capacity_limit = int(0.9 * cc.mem_pool_host.size)
+        h = SchedulerHarness(st, chunked_prefill_size=4096)
+        req = h.make_req(seq + [3, 4, 5])
+        h.arrive(req)
+        h.wait_prefetch(req)
+        s = lane_of(st.cache.buffer_pipeline).streams[req.cache_request_handle]
+        assert (
+            st.allocator.available_size()
+            < len(seq)
+            <= st.allocator.available_size() + s.r_tokens
+        )
+        import sglang.srt.managers.schedule_policy as sp
+
+        hooked = sp.PrefillAdder.add_one_req
+        if not credit:
+            sp.PrefillAdder.add_one_req = hooked.__sglang_l3_original__
+        try:
+            batch = h.admit()
+        finally:
+            sp.PrefillAdder.add_one_req = hooked
+        assert framework.is_applied("streamed-restore")
+        if credit:
+            assert (
+                batch is not None and req in batch.reqs and req.prefix_len == len(seq)
+            )
+            h.forward(batch)
+            h.finish(req)
+        else:
+            assert batch is None or req not in batch.reqs
+            assert (
+                st.cache.buffer_pipeline._staged_admission_defers.get(
+                    req.cache_request_handle, 0
+                )
+                >= 1
+            )
+            h.abort_queued(req)
+        st.settle()
+        assert not lane_of(st.cache.buffer_pipeline).streams

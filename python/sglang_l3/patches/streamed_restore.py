@@ -28,6 +28,8 @@ own rather than by upstream's prefetch thread):
   only (the plan shifted by |R|); its device rows are prefixed by R (the head R is
   freed where the device prefix grew past J), so `init_load_back` publishes
   [J, P) in one insert with the Mamba state, and the re-anchor checks hold.
+  `PrefillAdder.add_one_req` is credited the |R| rows it would otherwise charge
+  twice (already allocated, yet counted as new tokens of the span).
 - R, the pin and host pieces are freed exactly once on every exit: storage error in
   a piece (the prefetch is revoked, the request recomputes, KV beliefs healed),
   abort (upstream retires the op; our tick sees it gone), a staged hold released
@@ -57,6 +59,7 @@ logger = logging.getLogger("sglang_l3.streamed_restore")
 
 PIPE = "sglang.srt.mem_cache.buffer_mode.pipeline:BufferModePipeline"
 URC = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
+ADDER = "sglang.srt.managers.schedule_policy:PrefillAdder"
 ENV_PIECE = "SGLANG_L3_STREAM_PIECE"  # fraction of the host KV pool per piece
 DEFAULT_PIECE_FRACTION = 0.4
 MAX_INFLIGHT = 2  # pieces per stream: read piece i+1 while piece i is copied
@@ -516,6 +519,29 @@ def apply(ctx: PatchContext) -> None:
         if self.buffer_pipeline is not None and self.linker is None:
             _tick(self)
 
+    def add_one_req(orig: Any, self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        # R is allocated already (it is not in the budget's available tokens), yet the
+        # admission charges the whole span as new tokens: credit the rows the splice uses.
+        pipe = getattr(self.tree_cache, "buffer_pipeline", None)
+        handle = getattr(req, "cache_request_handle", None)
+        s = (
+            lane_of(pipe).streams.get(handle)
+            if pipe is not None and handle is not None
+            else None
+        )
+        plan = getattr(req, "staged_prefetch_plan", None)
+        if s is None or s.state != "staged" or plan is None:
+            return orig(self, req, *args, **kwargs)
+        credit = s.r_tokens - min(max(plan.device_prefix_len - s.start, 0), s.r_tokens)
+        budget = self.memory_budget
+        budget.total_offset -= credit
+        budget.current_offset -= credit
+        res = orig(self, req, *args, **kwargs)
+        if not any(r is req for r in self.can_run_list):
+            budget.total_offset += credit
+            budget.current_offset += credit
+        return res
+
     def reset(orig: Any, self: Any) -> None:
         lane = self.__dict__.pop("_l3_stream_lane", None)
         if lane is not None:
@@ -531,3 +557,4 @@ def apply(ctx: PatchContext) -> None:
     ctx.around(f"{PIPE}.reset", reset)
     ctx.around(f"{URC}.check_prefetch_progress", progress)
     ctx.around(f"{URC}.check_hicache_events", events)
+    ctx.around(f"{ADDER}.add_one_req", add_one_req)
