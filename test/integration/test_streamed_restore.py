@@ -368,3 +368,53 @@ def test_tight_device_pool_admits_with_the_row_credit(tmp_path, credit: bool) ->
             h.abort_queued(req)
         st.settle()
         assert not lane_of(st.cache.buffer_pipeline).streams
+
+
+def test_decisions_do_not_depend_on_store_timing(tmp_path, monkeypatch) -> None:
+    """TP ranks see different store latencies; every decision must come out the
+    same (TP=2 cannot start on CPU). The pieces a stream reads (page bounds, in
+    order) and the rows it lands (in order) under a fast and a slow store are
+    identical, and so is the result. (Which tick a piece lands in may differ
+    between runs; within a run every rank lands it in the same tick, the
+    completion flags being MIN-reduced.)"""
+    import sglang_l3.patches.streamed_restore as sr
+
+    spec = make_spec(64, 8 * (BUFFER + 64))
+    seq = context(spec, 8)
+    (want,) = write(spec, tmp_path, "rust", [seq])
+    read, copy, launch = sr._read_piece, sr._copy_to_device, sr._launch_reads
+
+    def run(delay: float) -> tuple[list, list]:
+        reads: list = []
+        lands: list = []
+
+        def slow_read(cc, op, keys, host, prefix):
+            time.sleep(delay)
+            return read(cc, op, keys, host, prefix)
+
+        def traced_copy(cc, host, rows):
+            lands.append((int(rows[0]) if len(rows) else -1, len(rows)))
+            return copy(cc, host, rows)
+
+        monkeypatch.setattr(sr, "_read_piece", slow_read)
+        monkeypatch.setattr(sr, "_copy_to_device", traced_copy)
+        with reader(spec, tmp_path, "rust") as st:
+            lane = lane_of(st.cache.buffer_pipeline)
+
+            def traced_launch(pipe, s):
+                before = len(s.pieces)
+                launch(pipe, s)
+                reads.extend(
+                    (pc.first_page, pc.pages) for pc in list(s.pieces)[before:]
+                )
+
+            monkeypatch.setattr(sr, "_launch_reads", traced_launch)
+            st.scribble()
+            req, loaded = st.restore(seq, "t")
+            check_restored(st, seq, req, loaded, want)
+            back_to_baseline(st, req)
+            assert not lane.streams
+        return reads, lands
+
+    fast, slow = run(0.0), run(0.05)
+    assert fast == slow and len(fast[0]) > 4
