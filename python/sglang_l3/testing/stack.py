@@ -387,10 +387,14 @@ class L3Stack:
 
     def restore(self, seq: list[int], rid: str) -> tuple[Any, int]:
         """Storage → staged → admission-style init_load_back → ack. Returns (req, loaded_len)."""
+        h, _ = self.prefetch(seq, rid)
+        return self.admit(h, seq, rid)
+
+    def admit(self, h: Any, seq: list[int], rid: str) -> tuple[Any, int]:
+        """Admission of a staged prefetch (handle `h`): prepare → init_load_back → ack."""
         from sglang.srt.managers.schedule_policy import PrefillAdder
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
-        h, _ = self.prefetch(seq, rid)
         if not self.cache.buffer_pipeline.has_staged(h):
             raise RestoreFailed(f"nothing staged for {rid}")
         req = self.new_req(rid, seq)
