@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import sglang_l3
 
@@ -54,7 +54,7 @@ class ServerConfig:
 
     storage_dir: Optional[str] = None  # None: no HiCache at all
     device: str = "cpu"
-    max_total_tokens: int = 4096
+    max_total_tokens: Optional[int] = 4096  # None: leave --max-total-tokens to upstream
     max_mamba_cache_size: int = 32
     max_running_requests: int = 8
     chunked_prefill_size: Optional[int] = None
@@ -71,12 +71,13 @@ class ServerConfig:
             "--device", self.device,
             "--host", "127.0.0.1",
             "--port", str(port),
-            "--max-total-tokens", str(self.max_total_tokens),
             "--max-running-requests", str(self.max_running_requests),
             "--max-mamba-cache-size", str(self.max_mamba_cache_size),
             "--mamba-radix-cache-strategy", "extra_buffer",
             "--disable-overlap-schedule",
         ]
+        if self.max_total_tokens is not None:
+            a += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.device == "cpu":
             a += ["--attention-backend", "torch_native", "--disable-cuda-graph"]
         else:
@@ -93,11 +94,12 @@ class ServerConfig:
                 "--hicache-storage-backend", "file",
                 "--hicache-mem-layout", "buffer_only",
             ]
+            # the store location on the command line (not in the environment), so
+            # the printed command can be copied as is
+            extra: dict[str, Any] = {"store_dir": str(self.storage_dir)}
             if self.prefetch_threshold is not None:
-                a += [
-                    "--hicache-storage-backend-extra-config",
-                    json.dumps({"prefetch_threshold": self.prefetch_threshold}),
-                ]
+                extra["prefetch_threshold"] = self.prefetch_threshold
+            a += ["--hicache-storage-backend-extra-config", json.dumps(extra)]
         return a + list(self.extra_args)
 
 
@@ -123,26 +125,53 @@ class Server:
     def command(self) -> list[str]:
         return [self.python, "-m", "sglang.launch_server", *self.config.args(self.port)]
 
-    def start(self) -> "Server":
+    def env(self) -> dict[str, str]:
+        """The server's environment (the store directory is on the command line
+        and created, 0700, by the store itself)."""
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        if self.config.storage_dir is not None:
-            Path(self.config.storage_dir).mkdir(parents=True, exist_ok=True)
-            env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(self.config.storage_dir)
         env.update(self.config.env)
+        return env
+
+    def start(self, progress: Optional[Callable[[float], None]] = None) -> "Server":
+        """Launch and wait until ready; `progress(elapsed_s)` is called every few
+        seconds meanwhile (the demo prints a line)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
         log.close()
-        self._wait_ready()
+        self._wait_ready(progress)
         return self
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
+    def run_to_exit(self, timeout: float = 300.0) -> tuple[int, str, float]:
+        """Launch and wait for the launcher to exit by itself (start-up error
+        tests): (return code, its output, seconds). The group is killed after."""
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env(),
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+            code = self.proc.returncode
+        except subprocess.TimeoutExpired:
+            out, code = b"", -1
+        elapsed = time.monotonic() - t0
+        self.stop()
+        return code, out.decode(errors="replace"), elapsed
+
+    def _wait_ready(self, progress: Optional[Callable[[float], None]] = None,
+                    every: float = 5.0) -> None:
+        t0 = time.monotonic()
+        deadline = t0 + self.startup_timeout
+        next_report = t0 + every
         while time.monotonic() < deadline:
+            if progress is not None and time.monotonic() >= next_report:
+                progress(time.monotonic() - t0)
+                next_report += every
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.stop()
@@ -241,6 +270,17 @@ class Server:
         if last is None:
             raise ServerError("empty streamed response")
         return Generation.from_response(last, len(input_ids), wall, ttft if ttft is not None else wall)
+
+    def post(self, path: str, body: Any, timeout: float = 300.0) -> tuple[int, Any]:
+        """POST a JSON body; (HTTP status, decoded JSON or text) for any status."""
+        try:
+            raw, status = self._request("POST", path, body, timeout=timeout), 200
+        except urllib.error.HTTPError as e:
+            raw, status = e.read(), e.code
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw.decode(errors="replace")
 
     def flush_cache(self) -> None:
         """POST /flush_cache (HTTP 200 = flushed; 400 = refused, e.g. requests in
