@@ -11,7 +11,6 @@ import stat
 from pathlib import Path
 
 import pytest
-
 from sglang.srt.server_args import prepare_server_args
 from sglang_l3.patches import framework, startup_checks
 from sglang_l3.testing.server import TINY_MODEL_DIR
@@ -36,7 +35,10 @@ def applied():
 
 
 def _argv(store: object, *more: str, tokens: str | None = "4096") -> list[str]:
-    argv = BASE + ["--hicache-storage-backend-extra-config", json.dumps({"store_dir": str(store)})]
+    argv = BASE + [
+        "--hicache-storage-backend-extra-config",
+        json.dumps({"store_dir": str(store)}),
+    ]
     if tokens is not None:
         argv += ["--max-total-tokens", tokens]
     return argv + list(more)
@@ -66,17 +68,26 @@ def test_world_writable_store(tmp_path: Path, capsys) -> None:
     d.chmod(0o777)
     line = _refused(_argv(d), capsys)
     assert "store_dir" in line and "world-writable" in line and f"chmod 700 {d}" in line
-    assert stat.S_IMODE(os.stat(d).st_mode) == 0o777  # refused, not "fixed" behind the user's back
+    assert (
+        stat.S_IMODE(os.stat(d).st_mode) == 0o777
+    )  # refused, not "fixed" behind the user's back
     assert not (d / "pages").exists()
 
 
 def test_unreadable_extra_config(tmp_path: Path, capsys) -> None:
-    argv = BASE + ["--max-total-tokens", "4096", "--hicache-storage-backend-extra-config", "{store_dir: x"]
+    argv = BASE + [
+        "--max-total-tokens",
+        "4096",
+        "--hicache-storage-backend-extra-config",
+        "{store_dir: x",
+    ]
     line = _refused(argv, capsys)
     assert "--hicache-storage-backend-extra-config" in line and "Fix:" in line
 
 
-def test_cpu_without_max_total_tokens_leaves_no_host_memory(tmp_path: Path, capsys) -> None:
+def test_cpu_without_max_total_tokens_leaves_no_host_memory(
+    tmp_path: Path, capsys
+) -> None:
     # upstream's KV pool on --device cpu keeps only ~3.6 GiB of host memory (10 GiB
     # above 60 GiB) for everything else: always under the 10 GiB HiCache reserve
     line = _refused(_argv(tmp_path / "store", tokens=None), capsys)
@@ -109,7 +120,9 @@ def test_host_budget_prediction() -> None:
         max_total_tokens = None
         mem_fraction_static = None
 
-    startup_checks.check_host_memory(A(), available=64 * GiB, total=128 * GiB)  # GPU: fits
+    startup_checks.check_host_memory(
+        A(), available=64 * GiB, total=128 * GiB
+    )  # GPU: fits
     with pytest.raises(startup_checks.StartupCheckError) as e:
         startup_checks.check_host_memory(A(), available=8 * GiB, total=16 * GiB)
     assert "--hicache-size" in e.value.message
@@ -122,7 +135,9 @@ def test_host_budget_prediction() -> None:
     startup_checks.check_host_memory(A(), available=60 * GiB, total=64 * GiB)
 
 
-def test_negative_control_without_patch_file_store_passes_parsing(tmp_path: Path) -> None:
+def test_negative_control_without_patch_file_store_passes_parsing(
+    tmp_path: Path,
+) -> None:
     """Without the patch the launcher accepts the command line and only the
     scheduler finds the file, minutes later, with a raw traceback."""
     f = tmp_path / "a-file"

@@ -18,9 +18,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import sglang_l3
 
@@ -52,14 +53,14 @@ def warm_hicache_hash_extension() -> None:
 class ServerConfig:
     """What the CPU L3 server is started with (defaults: the demo/e2e settings)."""
 
-    storage_dir: Optional[str] = None  # None: no HiCache at all
+    storage_dir: str | None = None  # None: no HiCache at all
     device: str = "cpu"
-    max_total_tokens: Optional[int] = 4096  # None: leave --max-total-tokens to upstream
+    max_total_tokens: int | None = 4096  # None: leave --max-total-tokens to upstream
     max_mamba_cache_size: int = 32
     max_running_requests: int = 8
-    chunked_prefill_size: Optional[int] = None
-    page_size: Optional[int] = None
-    prefetch_threshold: Optional[int] = None
+    chunked_prefill_size: int | None = None
+    page_size: int | None = None
+    prefetch_threshold: int | None = None
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -118,7 +119,7 @@ class Server:
         self.python = python
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
 
     # ------------------------------------------------------------- lifecycle
     @property
@@ -133,17 +134,17 @@ class Server:
         env.update(self.config.env)
         return env
 
-    def start(self, progress: Optional[Callable[[float], None]] = None) -> "Server":
-        """Launch and wait until ready; `progress(elapsed_s)` is called every few
-        seconds meanwhile (the demo prints a line)."""
+    def start(self, progress: Callable[[float], None] | None = None,
+              progress_every: float = 10.0) -> Server:
+        """Launch and wait until ready; `progress(elapsed_s)` is called every
+        `progress_every` seconds meanwhile (the demo prints a line)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        log.close()
-        self._wait_ready(progress)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        self._wait_ready(progress, progress_every)
         return self
 
     def run_to_exit(self, timeout: float = 300.0) -> tuple[int, str, float]:
@@ -163,7 +164,7 @@ class Server:
         self.stop()
         return code, out.decode(errors="replace"), elapsed
 
-    def _wait_ready(self, progress: Optional[Callable[[float], None]] = None,
+    def _wait_ready(self, progress: Callable[[float], None] | None = None,
                     every: float = 5.0) -> None:
         t0 = time.monotonic()
         deadline = t0 + self.startup_timeout
@@ -206,10 +207,10 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:  # noqa: PYI034 (Python 3.10 has no typing.Self)
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def log_text(self) -> str:
@@ -236,7 +237,7 @@ class Server:
                 raise ServerError(f"server died; log {self.log_path}:\n{self.log_tail()}") from e
             raise
 
-    def generate(self, input_ids: list[int], max_new_tokens: int = 8) -> "Generation":
+    def generate(self, input_ids: list[int], max_new_tokens: int = 8) -> Generation:
         """Greedy generation, streamed: returns tokens, logprobs, the server's
         cached-token metadata, and the client-side time to the first token."""
         body = json.dumps({
@@ -311,7 +312,7 @@ class Generation:
     meta: dict
 
     @classmethod
-    def from_response(cls, out: dict, prompt_len: int, wall: float, ttft: float) -> "Generation":
+    def from_response(cls, out: dict, prompt_len: int, wall: float, ttft: float) -> Generation:
         meta = out["meta_info"]
         details = meta.get("cached_tokens_details") or {}
         return cls(
