@@ -46,6 +46,13 @@ def warm_hicache_hash_extension() -> None:
     """
     from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module
 
+    from sglang_l3.patches import framework
+
+    # this process is no SGLang process (no plugin): apply just the patch that
+    # keeps torch's lock file from being reported as stale
+    for spec in framework.load_series():
+        if spec.id == "quiet-extension-lock":
+            framework.apply_one(spec)
     _load_native_hash_module()
 
 
