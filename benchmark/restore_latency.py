@@ -12,7 +12,11 @@ thread -> scheduler -> IO thread -> the store's IO pool -> ack thread ->
 scheduler) and the per-layer host->device copy; on a loaded machine each
 hand-off waits for a CPU.
 
-    .venv/bin/python benchmark/restore_latency.py [--rounds 6] [--agents 4]
+    .venv/bin/python benchmark/restore_latency.py [--rounds 6] [--agents 4] [--first N]
+
+--first N also measures the first restore of a fresh process (N processes each,
+alternating), with and without patch eager-page-hash: without it that restore
+also loads HiCache's page-hash extension inside the prefetch thread.
 
 Prints p50 / p90 ms per restore for each and the ratio. Every restore is checked
 bit-exact against the written state; a mismatch aborts.
@@ -50,7 +54,16 @@ def main() -> int:
     ap.add_argument(
         "--store", default=None, help="store directory (default: a temporary one)"
     )
+    ap.add_argument(
+        "--first",
+        type=int,
+        default=0,
+        help="fresh processes per variant for the first-restore figure",
+    )
+    ap.add_argument("--one-first", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.first:
+        _first_restores(args.first)
     import sglang_l3.cpu
 
     sglang_l3.cpu.enable()
@@ -63,6 +76,22 @@ def main() -> int:
         restored_bytes,
     )
     from sglang_l3.testing.stack import HybridSpec, L3Stack
+
+    if args.one_first:  # child of --first: one write, evict, one timed restore
+        with L3Stack(
+            HybridSpec(
+                page_size=64, kv_size=16384, max_context_len=8192, mamba_cache_size=64
+            ),
+            args.store or tempfile.mkdtemp(prefix="sglang-l3-latency-"),
+        ) as st:
+            seq = next(iter(agent_contexts(1, 64, 512).values()))
+            st.write(seq)
+            st.evict_all()
+            t0 = perf_counter()
+            req, _ = st.restore(seq, "first")
+            print(f"FIRST {perf_counter() - t0:.6f}")
+            st.release(req)
+        return 0
 
     spec = HybridSpec(
         page_size=64, kv_size=16384, max_context_len=8192, mamba_cache_size=64
@@ -117,6 +146,40 @@ def main() -> int:
     ratio = statistics.median(times["before"]) / statistics.median(times["after"])
     print(f"  p50 before / after: {ratio:.2f}x")
     return 0
+
+
+def _first_restores(n: int) -> None:
+    import os
+    import subprocess
+
+    out: dict[str, list[float]] = {"with eager-page-hash": [], "without": []}
+    for i in range(2 * n):
+        label = "with eager-page-hash" if i % 2 == 0 else "without"
+        env = dict(
+            os.environ,
+            SGLANG_L3_DISABLE="" if label.startswith("with ") else "eager-page-hash",
+        )
+        r = subprocess.run(
+            [sys.executable, __file__, "--one-first"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=900,
+        )
+        line = next((x for x in r.stdout.splitlines() if x.startswith("FIRST ")), None)
+        if line is None:
+            raise SystemExit(f"first-restore child failed:\n{r.stderr[-2000:]}")
+        out[label].append(float(line.split()[1]))
+    print(f"first restore of a fresh process, {n} processes each (median):")
+    for label, xs in out.items():
+        print(
+            f"  {label:21s}: {statistics.median(xs) * 1e3:6.1f} ms  [{min(xs) * 1e3:.0f}..{max(xs) * 1e3:.0f}]"
+        )
+    ratio = statistics.median(out["without"]) / statistics.median(
+        out["with eager-page-hash"]
+    )
+    print(f"  without / with: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

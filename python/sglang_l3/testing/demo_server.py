@@ -16,7 +16,6 @@ of --control-repeats of them).
 from __future__ import annotations
 
 import argparse
-import shlex
 import shutil
 import statistics
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 from sglang_l3.testing.server import (
     Server,
     ServerConfig,
+    ServerError,
     prompt,
     warm_hicache_hash_extension,
 )
@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         code = _run(args, store, log)
         ok = code == 0
         return code
+    except ServerError as e:
+        print(f"sglang-l3 demo: {e}", file=sys.stderr)
+        return 1
     finally:
         if tmp is not None:
             if ok:
@@ -81,7 +84,7 @@ def _run(args: argparse.Namespace, store: Path, log: Path) -> int:
     warm_hicache_hash_extension()
     server = Server(cfg, log)
     print(f"sglang-l3 demo: starting a CPU server (tiny Qwen3-Next, L3 = file store {store})")
-    print("  " + " ".join(shlex.quote(a) for a in server.command))
+    print("  " + server.shell_command())
     print(f"  log: {log}")
     t0 = time.perf_counter()
     print("  starting (1-3 minutes on a busy machine) ...", flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -132,6 +133,14 @@ class Server:
     @property
     def command(self) -> list[str]:
         return [self.python, "-m", "sglang.launch_server", *self.config.args(self.port)]
+
+    def shell_command(self) -> str:
+        """The command as one copyable shell line, with the SGLANG* variables
+        this launcher sets for the server in front."""
+        env = self.env()
+        prefix = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
+                  if k.startswith("SGLANG") and os.environ.get(k) != v]
+        return " ".join(prefix + [shlex.quote(a) for a in self.command])
 
     def env(self) -> dict[str, str]:
         """The server's environment (the store directory is on the command line
