@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 test: install
 	$(PY) test/run_suite.py --suite $(SUITE)
 
-# unit + integration only (no servers, no upstream kits): day-to-day work; CI runs `make test`
+# unit + integration, minus tests marked slow or aot (no servers, no upstream kits): day-to-day work; CI runs `make test`
 test-fast: install
 	$(PY) test/run_suite.py --suite fast
 

@@ -2,7 +2,7 @@
 
 Suites:
   cpu       everything that runs without a GPU (default; `make test`, CI)
-  fast      unit + integration without a GPU (`make test-fast`; no servers, no kits)
+  fast      unit + integration, no GPU, nothing marked slow or aot (`make test-fast`)
   upstream  SGLang's own unified-radix-cache kits composed over every config,
             with every sglang-l3 patch applied
   gpu       GPU checks (CUDA or ROCm); skip cleanly without a GPU
@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 SUITES: dict[str, list[str]] = {
     "cpu": ["unit", "integration", "upstream", "e2e", "-m", "not gpu and not rdna3"],
-    "fast": ["unit", "integration", "-m", "not gpu and not rdna3"],
+    "fast": ["unit", "integration", "-m", "not gpu and not rdna3 and not slow and not aot"],
     "upstream": ["upstream"],
     "gpu": ["unit", "integration", "e2e", "gpu", "-m", "gpu"],
     "rdna3": ["unit", "gpu", "-m", "rdna3"],

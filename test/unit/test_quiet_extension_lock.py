@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from sglang.srt.utils.cpp_extension_loader import _get_build_directory
+
+pytestmark = pytest.mark.slow  # two fresh processes
 
 CODE = "from sglang_l3.testing.server import warm_hicache_hash_extension as w; w()"
 MESSAGE = "Removing stale PyTorch extension lock"
