@@ -70,6 +70,12 @@ def main() -> int:
     import sglang_l3.plugin
 
     sglang_l3.plugin.register()
+    import sglang.srt.mem_cache.pool_host.base as pool_host_base
+
+    # the pools here take < 0.1 GB; upstream's 10 GiB host reserve would refuse
+    # them on a shared machine with less than that free, which says nothing
+    # about restore latency
+    pool_host_base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 2**30
     from sglang_l3.testing.demo import (
         SMALL_RESTORE_BYTES,
         agent_contexts,

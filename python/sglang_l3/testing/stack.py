@@ -79,8 +79,9 @@ class RestoreFailed(AssertionError):
 # The scheduler polls HiCache events between batches; here this loop is that
 # scheduler. A restore waits on it twice (host buffers for a storage hit are
 # allocated on this thread; the staged hit is picked up by it), so its period is
-# part of every restore's fixed latency: 0.5 ms (was 2 ms; p50 of a 3 MiB restore
-# 18 -> 14 ms on a loaded 2-core machine), longer would show in `make demo`.
+# part of every restore's fixed latency. 0.5 ms instead of 2 ms: p50 of a 3 MiB
+# restore 18.4 -> 13.9 ms with CPU to spare, no gain on a saturated machine
+# (benchmark/restore_latency.py); the rest is thread hand-offs, IO and the copy.
 PUMP_PERIOD_S = 0.0005
 
 
