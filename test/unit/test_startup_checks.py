@@ -93,6 +93,9 @@ def test_cpu_without_max_total_tokens_leaves_no_host_memory(
     line = _refused(_argv(tmp_path / "store", tokens=None), capsys)
     assert "--max-total-tokens" in line and "no host memory is left for HiCache" in line
     assert "Fix: pass --max-total-tokens" in line
+    # an explicit host pool size does not help: the KV pool is allocated first
+    line = _refused(_argv(tmp_path / "s2", "--hicache-size", "1", tokens=None), capsys)
+    assert "Fix: pass --max-total-tokens" in line
 
 
 def test_good_command_line_parses_and_creates_a_private_store(
@@ -105,8 +108,7 @@ def test_good_command_line_parses_and_creates_a_private_store(
     sa = prepare_server_args(_argv(store))
     assert sa.hicache_host_memory_mode == "buffer_only"
     assert stat.S_IMODE(os.stat(store).st_mode) == 0o700
-    # an explicit host pool size needs no auto-sizing: no budget check
-    prepare_server_args(_argv(tmp_path / "s2", "--hicache-size", "1", tokens=None))
+    prepare_server_args(_argv(tmp_path / "s2", "--hicache-size", "1"))
 
 
 def test_no_hicache_no_checks(tmp_path: Path) -> None:
@@ -124,20 +126,39 @@ def test_host_budget_prediction() -> None:
         device = "cuda"
         max_total_tokens = None
         mem_fraction_static = None
+        tp_size, pp_size, nnodes = 2, 1, 1
 
-    startup_checks.check_host_memory(
+    check = startup_checks.check_host_memory
+    check(
         A(), available=64 * GiB, total=128 * GiB
-    )  # GPU: fits
+    )  # GPU: the device pools are elsewhere
+    with pytest.raises(
+        startup_checks.StartupCheckError
+    ) as e:  # under the reserve: nothing fits
+        check(A(), available=8 * GiB, total=16 * GiB)
+    assert (
+        "--enable-hierarchical-cache" in e.value.message
+        and "Fix: free host memory" in e.value.message
+    )
+    A.hicache_size = 40  # GB per rank, 2 ranks: 80 GB > 54 GiB free beyond the reserve
     with pytest.raises(startup_checks.StartupCheckError) as e:
-        startup_checks.check_host_memory(A(), available=8 * GiB, total=16 * GiB)
-    assert "--hicache-size" in e.value.message
-    A.device = "cpu"
-    with pytest.raises(startup_checks.StartupCheckError):
-        startup_checks.check_host_memory(A(), available=200 * GiB, total=256 * GiB)
+        check(A(), available=64 * GiB, total=128 * GiB)
+    assert (
+        "--hicache-size 40" in e.value.message
+        and "Fix: --hicache-size" in e.value.message
+    )
+    A.hicache_size = 20
+    check(A(), available=64 * GiB, total=128 * GiB)
+    A.hicache_size, A.device = 0, "cpu"
+    with pytest.raises(
+        startup_checks.StartupCheckError
+    ) as e:  # the CPU KV pool eats the host
+        check(A(), available=200 * GiB, total=256 * GiB)
+    assert "--max-total-tokens" in e.value.message
     A.mem_fraction_static = 0.3  # the KV pool keeps 70 % of 64 GiB for the rest
-    startup_checks.check_host_memory(A(), available=60 * GiB, total=64 * GiB)
+    check(A(), available=60 * GiB, total=64 * GiB)
     A.mem_fraction_static, A.max_total_tokens = None, 4096
-    startup_checks.check_host_memory(A(), available=60 * GiB, total=64 * GiB)
+    check(A(), available=60 * GiB, total=64 * GiB)
 
 
 def test_negative_control_without_patch_file_store_passes_parsing(

@@ -141,27 +141,24 @@ def _available_host_bytes() -> int:
 def check_host_memory(
     args: Any, *, available: int | None = None, total: int | None = None
 ) -> None:
-    """Predict `auto_size_hicache`'s "No host memory is left" before anything loads.
+    """Predict upstream's host-memory refusals before anything loads.
 
-    Applies only when upstream auto-sizes the host pools (no --hicache-ratio /
-    --hicache-size, a fraction set). The budget is (available - reserve) per
-    rank; with --device cpu and no --max-total-tokens the device pools are
-    carved from the same host memory first (mem_fraction_static of it).
+    Every HiCache host pool is booked against (available - reserve) per rank
+    (host_memory_budget_bytes; `_allocate_host_buffer`, pool_host/base.py:248-257,
+    also for an explicit --hicache-size), so under the reserve nothing can be
+    allocated whatever the flags; auto-sizing fails the same way
+    (`auto_size_hicache`). With --device cpu and no --max-total-tokens the KV
+    pool is carved from that host memory first.
     """
     from sglang.srt.mem_cache.pool_host.base import (
         HICACHE_HOST_MEMORY_RESERVE_BYTES as reserve,
     )
 
-    if getattr(args, "hicache_host_memory_fraction", None) is None:
-        return
-    if (
-        getattr(args, "hicache_ratio", None) is not None
-        or (getattr(args, "hicache_size", 0) or 0) > 0
-    ):
-        return
     available = _available_host_bytes() if available is None else available
     total = int(psutil.virtual_memory().total) if total is None else total
+    size_gb = float(getattr(args, "hicache_size", 0) or 0)
     device = str(getattr(args, "device", None) or "")
+    # auto-sized or not, the host pools come after the CPU KV pool took its share
     if device.split(":")[0] == "cpu" and not getattr(args, "max_total_tokens", None):
         # The KV pool gets what is available beyond capacity * (1 - mem_fraction_static)
         # (upstream's default fraction reserves ~3.6 GiB of activations, 10 GiB above
@@ -176,14 +173,31 @@ def check_host_memory(
             raise _fail(
                 f"--max-total-tokens is not set, so with --device cpu the KV pool takes all but "
                 f"{left / GiB:.1f} GiB of the {available / GiB:.1f} GiB available host memory, less "
-                f"than HiCache's {reserve / GiB:.0f} GiB reserve: no host memory is left for HiCache. Fix: pass --max-total-tokens (e.g. 4096) or --hicache-size <GB per rank>."
+                f"than HiCache's {reserve / GiB:.0f} GiB reserve: no host memory is left for HiCache. "
+                f"Fix: pass --max-total-tokens (e.g. 4096)."
             )
-        return
     if available - reserve <= 0:
         raise _fail(
-            f"--hicache-host-memory-fraction: {available / GiB:.1f} GiB host memory available, "
-            f"under HiCache's {reserve / GiB:.0f} GiB reserve: no host memory is left for HiCache. "
-            f"Fix: pass --hicache-size <GB per rank> (or free host memory)."
+            f"--enable-hierarchical-cache: {available / GiB:.1f} GiB host memory available, less "
+            f"than HiCache's fixed {reserve / GiB:.0f} GiB reserve (upstream, "
+            f"mem_cache/pool_host/base.py), so no HiCache host pool can be allocated, whatever its "
+            f"size. Fix: free host memory (more than {reserve / GiB:.0f} GiB available) or run "
+            f"without --enable-hierarchical-cache."
+        )
+    # the budget is split between the ranks on this host (ranks_per_host)
+    ranks = max(
+        1,
+        int(getattr(args, "tp_size", 1) or 1)
+        * int(getattr(args, "pp_size", 1) or 1)
+        // max(1, int(getattr(args, "nnodes", 1) or 1)),
+    )
+    per_rank = (available - reserve) / ranks
+    if size_gb > 0 and size_gb * 1e9 > per_rank:
+        raise _fail(
+            f"--hicache-size {size_gb:g}: {size_gb:g} GB per rank requested, but only "
+            f"{per_rank / 1e9:.1f} GB per rank ({ranks} on this host) of host memory is free beyond "
+            f"HiCache's {reserve / GiB:.0f} GiB reserve. Fix: --hicache-size "
+            f"{max(0.1, per_rank / 1e9 * 0.8):.1f} or less."
         )
 
 
