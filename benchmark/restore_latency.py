@@ -88,7 +88,7 @@ def main() -> int:
             HybridSpec(
                 page_size=64, kv_size=16384, max_context_len=8192, mamba_cache_size=64
             ),
-            args.store or tempfile.mkdtemp(prefix="sglang-l3-latency-"),
+            args.store or _tmp_store(),
         ) as st:
             seq = next(iter(agent_contexts(1, 64, 512).values()))
             st.write(seq)
@@ -103,7 +103,7 @@ def main() -> int:
         page_size=64, kv_size=16384, max_context_len=8192, mamba_cache_size=64
     )
     ctxs = agent_contexts(args.agents, 64, 512)
-    store = args.store or tempfile.mkdtemp(prefix="sglang-l3-latency-")
+    store = args.store or _tmp_store()
     times: dict[str, list[float]] = {"before": [], "after": []}
     with L3Stack(spec, store) as st:
         for i, seq in enumerate(ctxs.values()):
@@ -152,6 +152,16 @@ def main() -> int:
     ratio = statistics.median(times["before"]) / statistics.median(times["after"])
     print(f"  p50 before / after: {ratio:.2f}x")
     return 0
+
+
+def _tmp_store() -> str:
+    """A temporary store, removed when this process exits."""
+    import atexit
+    import shutil
+
+    path = tempfile.mkdtemp(prefix="sglang-l3-latency-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def _first_restores(n: int) -> None:
