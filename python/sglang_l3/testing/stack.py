@@ -150,7 +150,15 @@ class L3Stack:
             self.cache = UnifiedRadixCache(params=params)
         if self.cache._tree_core_backend != tree_core:
             raise RuntimeError(f"asked for tree core {tree_core}, got {self.cache._tree_core_backend}")
-        self.cache.init_hicache(self.server_args, params)
+        # The host pools here are a few MB, but upstream sizes them against free RAM
+        # minus a fixed 10 GiB reserve (pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES),
+        # which a busy test machine does not always have: book them against half of
+        # what is free instead, as upstream's own host_memory_budget_scope allows.
+        import psutil
+        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+        with host_memory_budget_scope(psutil.virtual_memory().available // 2):
+            self.cache.init_hicache(self.server_args, params)
         atexit.unregister(self.cache.shutdown)
         cc = self.cache.cache_controller
         cc.prefetch_capacity_limit = max(cc.prefetch_capacity_limit, cc.mem_pool_host.size)
