@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -24,9 +25,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import sglang_l3
 
@@ -52,6 +54,13 @@ def warm_hicache_hash_extension() -> None:
     """
     from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module
 
+    from sglang_l3.patches import framework
+
+    # this process is no SGLang process (no plugin): apply just the patch that
+    # keeps torch's lock file from being reported as stale
+    for spec in framework.load_series():
+        if spec.id == "quiet-extension-lock":
+            framework.apply_one(spec)
     _load_native_hash_module()
 
 
@@ -59,18 +68,18 @@ def warm_hicache_hash_extension() -> None:
 class ServerConfig:
     """What the CPU L3 server is started with (defaults: the demo/e2e settings)."""
 
-    storage_dir: Optional[str] = None  # None (and backend "file"): no HiCache at all
+    storage_dir: str | None = None  # None (and backend "file"): no HiCache at all
     # --hicache-storage-backend; "mooncake" joins the store named by storage_extra_config
     # (e.g. sglang_l3.testing.mooncake.MooncakeCluster.extra_config()), no storage_dir needed
     storage_backend: str = "file"
     storage_extra_config: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
-    max_total_tokens: int = 4096
+    max_total_tokens: int | None = 4096  # None: leave --max-total-tokens to upstream
     max_mamba_cache_size: int = 32
     max_running_requests: int = 8
-    chunked_prefill_size: Optional[int] = None
-    page_size: Optional[int] = None
-    prefetch_threshold: Optional[int] = None
+    chunked_prefill_size: int | None = None
+    page_size: int | None = None
+    prefetch_threshold: int | None = None
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -86,12 +95,13 @@ class ServerConfig:
             "--device", self.device,
             "--host", "127.0.0.1",
             "--port", str(port),
-            "--max-total-tokens", str(self.max_total_tokens),
             "--max-running-requests", str(self.max_running_requests),
             "--max-mamba-cache-size", str(self.max_mamba_cache_size),
             "--mamba-radix-cache-strategy", "extra_buffer",
             "--disable-overlap-schedule",
         ]
+        if self.max_total_tokens is not None:
+            a += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.device == "cpu":
             a += ["--attention-backend", "torch_native", "--disable-cuda-graph"]
         else:
@@ -108,7 +118,11 @@ class ServerConfig:
                 "--hicache-storage-backend", self.storage_backend,
                 "--hicache-mem-layout", "buffer_only",
             ]
-            extra = dict(self.storage_extra_config)
+            # the store location on the command line (not in the environment), so
+            # the printed command can be copied as is
+            extra: dict[str, Any] = dict(self.storage_extra_config)
+            if self.storage_dir is not None:
+                extra["store_dir"] = str(self.storage_dir)
             if self.prefetch_threshold is not None:
                 extra["prefetch_threshold"] = self.prefetch_threshold
             if extra:
@@ -135,48 +149,84 @@ class Server:
         self.python = python
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
 
     # ------------------------------------------------------------- lifecycle
     @property
     def command(self) -> list[str]:
         return [self.python, "-m", "sglang.launch_server", *self.config.args(self.port)]
 
-    def start(self) -> "Server":
-        # free_port() reserves nothing: the server's own scheduler (gloo,
-        # Mooncake's transfer engine) may bind that ephemeral port before the
-        # HTTP server does. Then retry on another port.
-        for _ in range(3):
-            try:
-                return self._start_once()
-            except _PortTaken:
-                self.port = free_port()
-                self.base = f"http://127.0.0.1:{self.port}"
-        raise ServerError(f"the HTTP port was taken three times; log {self.log_path}:\n{self.log_tail()}")
+    def shell_command(self) -> str:
+        """The command as one copyable shell line, with the SGLANG* variables
+        this launcher sets for the server in front."""
+        env = self.env()
+        prefix = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
+                  if k.startswith("SGLANG") and os.environ.get(k) != v]
+        return " ".join(prefix + [shlex.quote(a) for a in self.command])
 
-    def _start_once(self) -> "Server":
+    def env(self) -> dict[str, str]:
+        """The server's environment (the store directory is on the command line
+        and created, 0700, by the store itself)."""
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         if self.config.device == "cpu":
             # the CPU patches (cpu-serving, cpu-host-pools) apply only when asked
             env["SGLANG_L3_CPU_SERVING"] = "1"
-        if self.config.storage_dir is not None:
-            Path(self.config.storage_dir).mkdir(parents=True, exist_ok=True)
-            env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(self.config.storage_dir)
         env.update(self.config.env)
+        return env
+
+    def start(self, progress: Callable[[float], None] | None = None,
+              progress_every: float = 10.0) -> Server:
+        """Launch and wait until ready; `progress(elapsed_s)` is called every
+        `progress_every` seconds meanwhile (the demo prints a line).
+
+        free_port() reserves nothing: the server's own scheduler (gloo, Mooncake's
+        transfer engine) may bind that ephemeral port before the HTTP server does.
+        Then retry on another port."""
+        for _ in range(3):
+            try:
+                return self._start_once(progress, progress_every)
+            except _PortTaken:
+                self.port = free_port()
+                self.base = f"http://127.0.0.1:{self.port}"
+        raise ServerError(f"the HTTP port was taken three times; log {self.log_path}:\n{self.log_tail()}")
+
+    def _start_once(self, progress: Callable[[float], None] | None, progress_every: float) -> Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        log.close()
-        self._wait_ready()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        self._wait_ready(progress, progress_every)
         return self
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
+    def run_to_exit(self, timeout: float = 300.0) -> tuple[int, str, float]:
+        """Launch and wait for the launcher to exit by itself (start-up error
+        tests): (return code, its output, seconds). The group is killed after."""
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env(),
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+            code = self.proc.returncode
+        except subprocess.TimeoutExpired:
+            out, code = b"", -1
+        elapsed = time.monotonic() - t0
+        self.stop()
+        return code, out.decode(errors="replace"), elapsed
+
+    def _wait_ready(self, progress: Callable[[float], None] | None = None,
+                    every: float = 5.0) -> None:
+        t0 = time.monotonic()
+        deadline = t0 + self.startup_timeout
+        next_report = t0 + every
         while time.monotonic() < deadline:
+            if progress is not None and time.monotonic() >= next_report:
+                progress(time.monotonic() - t0)
+                next_report += every
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.stop()
@@ -219,10 +269,10 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:  # noqa: PYI034 (Python 3.10 has no typing.Self)
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def log_text(self) -> str:
@@ -253,7 +303,7 @@ class Server:
         """GET `path` (e.g. "/metrics" when started with --enable-metrics)."""
         return self._request("GET", path, timeout=timeout).decode()
 
-    def generate(self, input_ids: list[int], max_new_tokens: int = 8) -> "Generation":
+    def generate(self, input_ids: list[int], max_new_tokens: int = 8) -> Generation:
         """Greedy generation, streamed: returns tokens, logprobs, the server's
         cached-token metadata, and the client-side time to the first token."""
         body = json.dumps({
@@ -288,6 +338,17 @@ class Server:
             raise ServerError("empty streamed response")
         return Generation.from_response(last, len(input_ids), wall, ttft if ttft is not None else wall)
 
+    def post(self, path: str, body: Any, timeout: float = 300.0) -> tuple[int, Any]:
+        """POST a JSON body; (HTTP status, decoded JSON or text) for any status."""
+        try:
+            raw, status = self._request("POST", path, body, timeout=timeout), 200
+        except urllib.error.HTTPError as e:
+            raw, status = e.read(), e.code
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw.decode(errors="replace")
+
     def flush_cache(self) -> None:
         """POST /flush_cache (HTTP 200 = flushed; 400 = refused, e.g. requests in
         flight: retried for a while)."""
@@ -317,7 +378,7 @@ class Generation:
     meta: dict
 
     @classmethod
-    def from_response(cls, out: dict, prompt_len: int, wall: float, ttft: float) -> "Generation":
+    def from_response(cls, out: dict, prompt_len: int, wall: float, ttft: float) -> Generation:
         meta = out["meta_info"]
         details = meta.get("cached_tokens_details") or {}
         return cls(
