@@ -80,10 +80,18 @@ _VARS = (
     EnvVar("SGLANG_L3_STORE_IO_THREADS", "32", "parallel IO threads per store (1..256)", "store"),
     EnvVar("SGLANG_L3_STORE_EVICTION_RATIO", "0.9", "evict down to this fraction of the cap", "store"),
     EnvVar("SGLANG_L3_STORE_MODEL_IDENTITY", "", "override of the model identity pages are keyed by", "store"),
-    EnvVar("SGLANG_L3_STREAM_WRITE_WINDOW", "0.25", "fraction of the host KV pool per streamed write-through "
-           "window (patch streamed-write)", "serving"),
-    EnvVar("SGLANG_L3_STREAM_PIECE", "0.4", "fraction of the host KV pool per streamed restore piece "
-           "(patch streamed-restore)", "serving"),
+    EnvVar(
+        "SGLANG_L3_STREAM_WRITE_WINDOW",
+        "0.25",
+        "fraction of the host KV pool per streamed write-through window (patch streamed-write)",
+        "serving",
+    ),
+    EnvVar(
+        "SGLANG_L3_STREAM_PIECE",
+        "0.4",
+        "fraction of the host KV pool per streamed restore piece (patch streamed-restore)",
+        "serving",
+    ),
     # GPTQ on ROCm
     EnvVar("SGLANG_L3_GPTQ_OPS", "", "path of a library with a native gptq_gemm_rdna3 op", "quant"),
     EnvVar("SGLANG_L3_GPTQ_NATIVE", "1", "0: never probe native GPTQ ops", "quant"),

@@ -25,8 +25,14 @@ DOCS = [
 # Merged from main before the rule existed (issue 16); their owners move the
 # reason into series.toml (why/how/upstream_none) and name upstream code by
 # qualified name, then delete them here. Any other entry or module is checked.
-PENDING = {"streamed-write", "streamed-restore", "startup-checks", "input-ids-check",
-           "quiet-extension-lock", "eager-page-hash"}
+PENDING = {
+    "streamed-write",
+    "streamed-restore",
+    "startup-checks",
+    "input-ids-check",
+    "quiet-extension-lock",
+    "eager-page-hash",
+}
 PENDING_FILES = {"eager_page_hash.py", "input_ids_check.py", "quiet_extension_lock.py", "startup_checks.py"}
 LINE_REF = re.compile(r"[\w/.-]+\.py:\d+|(?:\s|\()(?::\d{2,})\b")
 # torch.ops.* are kernels a machine may not have (sgl_kernel on CPU): not checked
