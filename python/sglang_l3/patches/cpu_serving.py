@@ -40,6 +40,15 @@ Upstream defects worked around (sglang 0.5.23, no accelerator, no sgl-kernel CPU
   per-chunk states `h` that strategy needs.
 - cpu-pin-memory: ScheduleBatch.prepare_for_decode (schedule_batch.py:3830)
   pins the extra_buffer track mask unconditionally; pinning needs a driver.
+- cpu-tp-gloo: `--tp-size 2` on CPU. GroupCoordinator.__init__
+  (distributed/parallel_state.py:295) builds PyNcclCommunicator(device=cpu)
+  (:463-468) -> "ValueError: Expected a cuda device, but got: cpu"
+  (pynccl.py:116), because init_model_parallel_group (:2160, :2180-2185) turns
+  PyNccl on for every in-tree platform but NPU/XPU. With the gloo backend the
+  device communicators are off; CPU tensors are reduced/gathered with
+  torch.distributed on the gloo device group (:695-700, :1425-1429) anyway.
+  (The other TP=2 stop, numa_utils.init_threads_binding's "ranks <= NUMA
+  nodes" assert, is an environment setting: SGLANG_CPU_OMP_THREADS_BIND.)
 """
 
 from __future__ import annotations
@@ -162,6 +171,26 @@ def _pin_memory(ctx: PatchContext) -> None:
     ctx.around("torch:Tensor.pin_memory", pin_memory)
 
 
+def _tp_gloo(ctx: PatchContext) -> None:
+    import inspect
+
+    from sglang.srt.distributed import parallel_state
+
+    # the device communicators a gloo (CPU) group cannot build or use
+    off = ("use_pynccl", "use_mscclpp", "use_custom_allreduce", "use_torch_symm_mem_all_reduce")
+
+    def init(original: Callable, *args: Any, **kwargs: Any) -> Any:
+        bound = inspect.signature(original).bind(*args, **kwargs)
+        if str(bound.arguments.get("torch_distributed_backend")) == "gloo":
+            for name in off:
+                if bound.arguments.get(name):
+                    bound.arguments[name] = False
+        return original(*bound.args, **bound.kwargs)
+
+    del parallel_state  # imported to fail early if the module moved
+    ctx.around("sglang.srt.distributed.parallel_state:GroupCoordinator.__init__", init)
+
+
 _APPLY: dict[str, Callable[[PatchContext], None]] = {
     "cpu-gdn-torch": _gdn_torch,
     "cpu-qwen3next-ops": _qwen3next_ops,
@@ -170,4 +199,5 @@ _APPLY: dict[str, Callable[[PatchContext], None]] = {
     "cpu-rope-native": _rope_native,
     "cpu-extra-buffer": _extra_buffer,
     "cpu-pin-memory": _pin_memory,
+    "cpu-tp-gloo": _tp_gloo,
 }
