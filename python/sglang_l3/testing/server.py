@@ -120,6 +120,9 @@ class ServerConfig:
                 "--enable-hierarchical-cache",
                 "--hicache-storage-backend", "file",
                 "--hicache-mem-layout", "buffer_only",
+                # explicit: upstream's auto-sizing refuses to start when the host has
+                # less than 10 GiB free (hicache_auto_size.py), as on a busy test box
+                "--hicache-ratio", "2",
             ]
             if self.prefetch_threshold is not None:
                 a += [
