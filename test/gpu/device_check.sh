@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU variant of the server e2e tests (test/e2e, marker `gpu`) on a fresh, bare
-# machine with one NVIDIA GPU (sized for one H200, 8 minutes in all) and the
+# GPU variant of the server e2e tests (test/e2e, marker `gpu`; with >= 2 GPUs also
+# the TP=2 set, step 6) on a fresh, bare machine with one NVIDIA GPU (sized for one H200, 8 minutes in all) and the
 # repository copied to the current directory.
 #
 #   bash test/gpu/device_check.sh            # from the repository root
@@ -83,6 +83,28 @@ SGLANG_L3_E2E_STARTUP_TIMEOUT=$(( T / 3 )) timeout --kill-after=20 "$T" \
     "$PY" -m pytest -q -p no:cacheprovider -m "e2e and gpu" test/e2e \
     --basetemp "$OUT_DIR/pytest" -rA 2>&1 | tee "$OUT_DIR/pytest.log"
 RC=${PIPESTATUS[0]}
-for f in "$OUT_DIR"/pytest/*/*.log; do [[ -f $f ]] && cp "$f" "$OUT_DIR/$(basename "$(dirname "$f")")-$(basename "$f")"; done
+
+# 6. TP=2 variants (test/e2e/test_tp2_l3.py on CUDA: P -> flush -> P vs a no-cache
+#    TP=2 server, asymmetric damage to one rank's pages, write failure, abort,
+#    restart, verify mode catching an injected rank disagreement). Needs >= 2 GPUs;
+#    skipped cleanly (and the step's rc ignored) on one.
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if (( NGPU < 2 )); then
+    say "TP=2 variants skipped: ${NGPU} GPU(s) visible, TP=2 needs 2"
+else
+    T=$(left)
+    if (( T < 180 )); then
+        say "TP=2 variants skipped: only ${T}s left"
+    else
+        say "running the TP=2 variants on ${NGPU} GPUs (limit ${T}s)"
+        SGLANG_L3_E2E_TP2_DEVICE=cuda SGLANG_L3_E2E_STARTUP_TIMEOUT=$(( T / 5 )) \
+            timeout --kill-after=20 "$T" "$PY" -m pytest -q -p no:cacheprovider \
+            test/e2e/test_tp2_l3.py --basetemp "$OUT_DIR/pytest-tp2" -rA 2>&1 \
+            | tee "$OUT_DIR/pytest-tp2.log"
+        RC2=${PIPESTATUS[0]}
+        (( RC == 0 )) && RC=$RC2
+    fi
+fi
+for f in "$OUT_DIR"/pytest*/*/*.log; do [[ -f $f ]] && cp "$f" "$OUT_DIR/$(basename "$(dirname "$f")")-$(basename "$f")"; done
 say "done, rc=$RC"
 exit "$RC"
