@@ -394,12 +394,16 @@ def test_tp2_restart_over_same_store(tp2: TP2):
 def test_tp2_two_agents_small_pool_restore_from_l3(tp2: TP2):
     if not tp2.ref_agents:
         pytest.skip("the no-cache TP=2 reference did not run")
+    """Two agents interleaved on a device pool that cannot hold both histories:
+    from its second turn on, each agent's conversation was evicted by the other
+    agent and comes back from L3 (both ranks), with the no-cache answer."""
     s = tp2.get("restarted", pool=SMALL_POOL)
     turns = run_agents(_Bounded(s))
     for (a, k, got), (_, _, ref) in zip(turns, tp2.ref_agents):
-        assert got.cached_device == 0, (a, k, got.meta)
-        assert got.cached_storage >= 256, (a, k, got.meta)
         same_output(got, ref, f"agent {a} turn {k}")
+        if k > 0:
+            assert got.cached_device == 0, (a, k, got.meta)
+            assert got.cached_storage >= 256, (a, k, got.meta)
     _no_disagreement(s)
 
 
