@@ -103,6 +103,14 @@ _VARS = (
         "tests",
     ),
     EnvVar("SGLANG_L3_E2E_STARTUP_TIMEOUT", "420", "seconds an e2e test server may take to start", "tests"),
+    EnvVar("SGLANG_L3_E2E_TP2_DEVICE", "cpu", "device of the TP=2 e2e servers (cuda on a machine with >= 2 GPUs)", "tests"),
+    EnvVar(
+        "SGLANG_L3_TEST_FAULT",
+        "unset",
+        "fault injection for tests only: restore-fallback@RANK makes that TP rank alone fall back on its first "
+        "restore, to prove SGLANG_L3_VERIFY=1 catches a rank disagreement; never set in production",
+        "tests",
+    ),
 )
 
 VARS: dict[str, EnvVar] = {v.name: v for v in _VARS}

@@ -2,6 +2,7 @@
 # GPU checks of sglang-l3 on a lent, bare GPU machine (one NVIDIA H200 here;
 # Python 3.12 with its own torch/Triton; no package index), the repository
 # copied to the current directory. Finishes in < 8 minutes.
+# With >= 2 GPUs and a runnable sglang 0.5.23, step 4 also runs the TP=2 server tests.
 #
 #   bash test/gpu/device_check.sh            # on the GPU machine, from the repo root
 #   bash test/gpu/device_check.sh --dry-run  # anywhere: checks the script's logic
@@ -93,6 +94,31 @@ case $GB in
     124|137) say "gptq_bench: out of time"; RC=4 ;;
     *) say "gptq_bench: a kernel did not match the reference (rc=$GB)"; RC=1 ;;
 esac
+# 4. TP=2 variants (test/e2e/test_tp2_l3.py on CUDA: P -> flush -> P vs a no-cache
+#    TP=2 server, asymmetric damage to one rank's pages, write failure, abort,
+#    restart, verify mode catching an injected rank disagreement). Needs >= 2 GPUs
+#    and sglang 0.5.23 with its GPU runtime (carried in .whl/); skipped cleanly else.
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if (( DRY )); then
+    say "dry run: TP=2 variants would need >= 2 GPUs (${NGPU} visible) and sglang $PIN"
+elif (( NGPU < 2 )); then
+    say "TP=2 variants skipped: ${NGPU} GPU(s) visible, TP=2 needs 2"
+elif ! "$PY" -c "import sglang, sys; sys.exit(0 if sglang.__version__ == '$PIN' else 1)" 2>/dev/null; then
+    say "TP=2 variants skipped: sglang $PIN is not importable here (carry it in .whl/)"
+else
+    T=$(( $(left) - 10 ))
+    if (( T < 180 )); then
+        say "TP=2 variants skipped: only ${T}s left"
+    else
+        say "running the TP=2 variants on ${NGPU} GPUs (limit ${T}s)"
+        SGLANG_L3_E2E_TP2_DEVICE=cuda SGLANG_L3_E2E_STARTUP_TIMEOUT=$(( T / 5 )) \
+            timeout --kill-after=20 "$T" "$PY" -m pytest -q -p no:cacheprovider \
+            test/e2e/test_tp2_l3.py --basetemp "$OUT_DIR/pytest-tp2" -rA 2>&1 \
+            | tee "$OUT_DIR/pytest-tp2.log"
+        RC2=${PIPESTATUS[0]}
+        (( RC == 0 )) && RC=$RC2
+    fi
+fi
 (( DRY )) && say "dry run: logic checked (no kernel launched, nothing timed)"
 say "done, rc=$RC (results in $OUT_DIR)"
 exit "$RC"

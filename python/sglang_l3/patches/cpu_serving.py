@@ -22,6 +22,9 @@ How, per entry:
 - cpu-extra-buffer: the platform check for --mamba-radix-cache-strategy
   extra_buffer returns True.
 - cpu-pin-memory: Tensor.pin_memory returns the tensor itself.
+- cpu-tp-gloo: AROUND GroupCoordinator.__init__, the device communicators
+  (PyNccl and friends) stay off when the group's backend is gloo, so `--tp-size 2`
+  reduces CPU tensors with torch.distributed on the gloo group.
 """
 
 from __future__ import annotations
@@ -138,6 +141,26 @@ def _pin_memory(ctx: PatchContext) -> None:
     ctx.around("torch:Tensor.pin_memory", pin_memory)
 
 
+def _tp_gloo(ctx: PatchContext) -> None:
+    import inspect
+
+    from sglang.srt.distributed import parallel_state
+
+    # the device communicators a gloo (CPU) group cannot build or use
+    off = ("use_pynccl", "use_mscclpp", "use_custom_allreduce", "use_torch_symm_mem_all_reduce")
+
+    def init(original: Callable, *args: Any, **kwargs: Any) -> Any:
+        bound = inspect.signature(original).bind(*args, **kwargs)
+        if str(bound.arguments.get("torch_distributed_backend")) == "gloo":
+            for name in off:
+                if bound.arguments.get(name):
+                    bound.arguments[name] = False
+        return original(*bound.args, **bound.kwargs)
+
+    del parallel_state  # imported to fail early if the module moved
+    ctx.around("sglang.srt.distributed.parallel_state:GroupCoordinator.__init__", init)
+
+
 _APPLY: dict[str, Callable[[PatchContext], None]] = {
     "cpu-gdn-torch": _gdn_torch,
     "cpu-qwen3next-ops": _qwen3next_ops,
@@ -146,4 +169,5 @@ _APPLY: dict[str, Callable[[PatchContext], None]] = {
     "cpu-rope-native": _rope_native,
     "cpu-extra-buffer": _extra_buffer,
     "cpu-pin-memory": _pin_memory,
+    "cpu-tp-gloo": _tp_gloo,
 }

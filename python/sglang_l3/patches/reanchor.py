@@ -14,8 +14,11 @@ How: AROUND `BufferModePipeline.init_load_back`:
   is a fail-stop (the copy is already in flight).
 - after `_commit_prefill_admission` it checks the admission lock is on N and
   `req.prefix_len` equals N's device path length.
-- with SGLANG_L3_VERIFY=1 the load-back ack compares the request's slot, N's
-  slot and the host staging slot tensor by tensor (forces a device sync).
+- with SGLANG_L3_VERIFY=1 the request's slot, N's slot and the host staging
+  slot are compared tensor by tensor (forces a device sync) before the
+  request's first forward: at the load-back ack, or earlier, right after the
+  scheduler chose the batch (patch tp-verify-restores; at TP >= 2 the ack is
+  MIN-drained across ranks and may come after that forward).
 
 Every decision reads only tree metadata and request fields that are identical
 on every TP rank (the staged plan is built from the MIN-reduced hit count).
@@ -60,6 +63,7 @@ class RestoreRecord:
     load_back_id: int
     committed: bool = False
     anchor_releases: int = 0
+    verified: bool = False  # SGLANG_L3_VERIFY compared the states before the first forward
 
 
 @dataclass
@@ -329,22 +333,35 @@ def verify_restored_state(pipe: Any, rec: RestoreRecord) -> list[str]:
     return problems
 
 
+def verify_now(pipe: Any, rec: RestoreRecord) -> None:
+    """SGLANG_L3_VERIFY: compare the restored states now; fail-stop on a difference.
+
+    Valid only before the request's first forward pass (which advances its
+    slot): at the ack, or (patch tp-verify-restores) right after the scheduler
+    chose the batch - at TP >= 2 the ack is drained by the MIN of the ranks'
+    ready counts and can come after that forward."""
+    if rec.verified or rec.host_slot is None:
+        return
+    rec.verified = True
+    _sync()
+    problems = verify_restored_state(pipe, rec)
+    metrics.inc("verify_checks")
+    if problems:
+        metrics.inc("fail_stops")
+        raise ReanchorViolation(
+            f"sglang-l3 verify: restored Mamba state differs for req={rec.rid} node={rec.node}: "
+            + "; ".join(problems)
+        )
+
+
 def _try_finish_load_back(original, pipe: Any, ack_id: int) -> Any:
     state = pipe.ongoing_buffer_load_back.get(ack_id)
     rec = None
     if state is not None:
         with _STATE.lock:
             rec = _STATE.by_request.pop(state.request, None)
-    if rec is not None and rec.host_slot is not None and verify_enabled():
-        _sync()
-        problems = verify_restored_state(pipe, rec)
-        metrics.inc("verify_checks")
-        if problems:
-            metrics.inc("fail_stops")
-            raise ReanchorViolation(
-                f"sglang-l3 verify: restored Mamba state differs for req={rec.rid} node={rec.node}: "
-                + "; ".join(problems)
-            )
+    if rec is not None and verify_enabled():
+        verify_now(pipe, rec)
     return original(pipe, ack_id)
 
 

@@ -64,6 +64,21 @@ def warm_hicache_hash_extension() -> None:
     _load_native_hash_module()
 
 
+def omp_threads_bind(ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` CPU ranks: this process's cores split
+    into contiguous ranges, one per rank ("0|1" on two cores); with fewer cores than
+    ranks, ranks share them."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    parts = []
+    for r in range(ranks):
+        lo, hi = r * len(cores) // ranks, (r + 1) * len(cores) // ranks
+        mine = cores[lo:hi] or [cores[r % len(cores)]]
+        contiguous = mine == list(range(mine[0], mine[-1] + 1))
+        parts.append(f"{mine[0]}-{mine[-1]}" if contiguous and len(mine) > 1
+                     else ",".join(str(c) for c in mine))
+    return "|".join(parts)
+
+
 @dataclass
 class ServerConfig:
     """What the CPU L3 server is started with (defaults: the demo/e2e settings)."""
@@ -80,12 +95,23 @@ class ServerConfig:
     chunked_prefill_size: int | None = None
     page_size: int | None = None
     prefetch_threshold: int | None = None
+    tp_size: int = 1  # --tp-size; on CPU each rank is a process (gloo, patch cpu-tp-gloo)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
     @property
     def hicache(self) -> bool:
         return self.storage_dir is not None or self.storage_backend != "file"
+
+    def server_env(self) -> dict[str, str]:
+        """Environment the server needs for this config (`env` overrides it)."""
+        out: dict[str, str] = {}
+        if self.device == "cpu" and self.tp_size > 1:
+            # numa_utils.init_threads_binding asserts ranks <= NUMA nodes unless this
+            # names each rank's cores ('|'-separated); without AMX/arm64 sgl-kernel
+            # the ids are only logged (distributed/bootstrap.py _init_cpu_threads_env).
+            out["SGLANG_CPU_OMP_THREADS_BIND"] = omp_threads_bind(self.tp_size)
+        return out
 
     def args(self, port: int) -> list[str]:
         a = [
@@ -108,6 +134,8 @@ class ServerConfig:
             # a tiny model on a big GPU: Triton attention (no FlashInfer needed), a
             # small static fraction (the pools are capped by the token counts above)
             a += ["--attention-backend", "triton", "--mem-fraction-static", "0.2"]
+        if self.tp_size != 1:
+            a += ["--tp-size", str(self.tp_size)]
         if self.chunked_prefill_size is not None:
             a += ["--chunked-prefill-size", str(self.chunked_prefill_size)]
         if self.page_size is not None:
@@ -117,6 +145,9 @@ class ServerConfig:
                 "--enable-hierarchical-cache",
                 "--hicache-storage-backend", self.storage_backend,
                 "--hicache-mem-layout", "buffer_only",
+                # explicit: upstream's auto-sizing refuses to start when the host has
+                # less than 10 GiB free (hicache_auto_size.py), as on a busy test box
+                "--hicache-ratio", "2",
             ]
             # the store location on the command line (not in the environment), so
             # the printed command can be copied as is
@@ -172,6 +203,7 @@ class Server:
         if self.config.device == "cpu":
             # the CPU patches (cpu-serving, cpu-host-pools) apply only when asked
             env["SGLANG_L3_CPU_SERVING"] = "1"
+        env.update(self.config.server_env())
         env.update(self.config.env)
         return env
 
@@ -303,22 +335,27 @@ class Server:
         """GET `path` (e.g. "/metrics" when started with --enable-metrics)."""
         return self._request("GET", path, timeout=timeout).decode()
 
-    def generate(self, input_ids: list[int], max_new_tokens: int = 8) -> Generation:
+    def generate(self, input_ids: list[int], max_new_tokens: int = 8, *,
+                 timeout: float = 600.0, rid: str | None = None) -> Generation:
         """Greedy generation, streamed: returns tokens, logprobs, the server's
-        cached-token metadata, and the client-side time to the first token."""
-        body = json.dumps({
+        cached-token metadata, and the client-side time to the first token.
+        `timeout` bounds each socket wait (a hung server raises, never stalls)."""
+        req_body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
             "return_logprob": True,
             "stream": True,
-        }).encode()
+        }
+        if rid is not None:
+            req_body["rid"] = rid
+        body = json.dumps(req_body).encode()
         req = urllib.request.Request(self.base + "/generate", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
         ttft = None
         last = None
         try:
-            with urllib.request.urlopen(req, timeout=600) as f:
+            with urllib.request.urlopen(req, timeout=timeout) as f:
                 for raw in f:
                     line = raw.decode().strip()
                     if not line.startswith("data:"):
@@ -349,18 +386,23 @@ class Server:
         except ValueError:
             return status, raw.decode(errors="replace")
 
-    def flush_cache(self) -> None:
+    def flush_cache(self, timeout: float = 300.0) -> None:
         """POST /flush_cache (HTTP 200 = flushed; 400 = refused, e.g. requests in
-        flight: retried for a while)."""
+        flight: retried for a while). `timeout` bounds each attempt."""
         last = ""
         for _ in range(100):
             try:
-                self._request("POST", "/flush_cache")
+                self._request("POST", "/flush_cache", timeout=timeout)
                 return
             except urllib.error.HTTPError as e:
                 last = e.read().decode(errors="replace")
                 time.sleep(0.2)
         raise ServerError(f"/flush_cache kept refusing: {last}")
+
+    def abort(self, rid: str | None = None, timeout: float = 60.0) -> None:
+        """POST /abort_request for one request id (None: every request)."""
+        body = {"rid": rid or "", "abort_all": rid is None}
+        self._request("POST", "/abort_request", body, timeout=timeout)
 
 
 @dataclass
