@@ -33,7 +33,7 @@ def _spec(pid: str, fingerprints: dict[str, str] | None = None, targets=TARGETS,
 @pytest.fixture
 def clean():
     yield
-    for pid in ("t-ok", "t-drift", "t-missing", "t-off", "t-kind", "t-reg", "t-needs"):
+    for pid in ("t-top", "t-ok", "t-drift", "t-missing", "t-off", "t-kind", "t-reg", "t-needs"):
         framework.undo(pid)
 
 
@@ -47,6 +47,19 @@ def test_applies_and_records_firing(clean) -> None:
     framework.undo("t-ok")
     assert fpt.Greeter().hello("x") == "hello x"
     assert fpt.Greeter.shout("a") == "A"
+
+
+def test_undo_keeps_a_patch_stacked_on_the_same_target(clean) -> None:
+    # t-top wraps t-ok's wrapper of Greeter.hello; removing t-ok must not silently
+    # remove t-top too (a negative control of one patch dropped another's hook)
+    framework.apply_one(_spec("t-ok"))
+    framework.apply_one(_spec("t-top"))
+    assert fpt.Greeter().hello("x") == "hello x!!"
+    framework.undo("t-ok")
+    assert framework.is_applied("t-top") and not framework.is_applied("t-ok")
+    assert fpt.Greeter().hello("x") == "hello x!"
+    framework.undo("t-top")
+    assert fpt.Greeter().hello("x") == "hello x"
 
 
 def test_fingerprint_ignores_our_own_wrapper(clean) -> None:

@@ -447,13 +447,35 @@ def apply_all(specs: Optional[list[PatchSpec]] = None, *, strict: bool = True) -
     return out
 
 
+def _targets_of(ctx: PatchContext) -> set[tuple[int, str]]:
+    return {(id(i.owner), i.attr) for i in ctx._installed if i.owner is not None}
+
+
 def undo(patch_id: str) -> None:
-    """Remove an applied patch (tests' negative controls in one process)."""
+    """Remove an applied patch (tests' negative controls in one process).
+
+    Patches applied later that hook one of the same targets wrap this patch's
+    wrapper, and restoring this patch's original would drop them too: they are
+    undone first and applied again afterwards, so only `patch_id` is removed.
+    """
     with _LOCK:
-        ctx = _CONTEXTS.pop(patch_id, None)
-        if ctx is not None:
-            ctx.undo()
+        ctx = _CONTEXTS.get(patch_id)
+        if ctx is None:
+            _STATUS.pop(patch_id, None)
+            return
+        ids = list(_CONTEXTS)
+        mine = _targets_of(ctx)
+        stacked = [
+            pid for pid in ids[ids.index(patch_id) + 1 :] if _targets_of(_CONTEXTS[pid]) & mine
+        ]
+        specs = [_STATUS[pid].spec for pid in stacked]
+        for pid in reversed(stacked):
+            _CONTEXTS.pop(pid).undo()
+            _STATUS.pop(pid, None)
+        _CONTEXTS.pop(patch_id).undo()
         _STATUS.pop(patch_id, None)
+        for spec in specs:
+            apply_one(spec)
 
 
 def status() -> dict[str, PatchStatus]:
