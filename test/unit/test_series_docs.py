@@ -22,18 +22,6 @@ DOCS = [
     *sorted((ROOT / "docs").glob("*.md")),
     *sorted((ROOT / "python" / "sglang_l3").rglob("*.py")),
 ]
-# Merged from main before the rule existed (issue 16); their owners move the
-# reason into series.toml (why/how/upstream_none) and name upstream code by
-# qualified name, then delete them here. Any other entry or module is checked.
-PENDING = {
-    "streamed-write",
-    "streamed-restore",
-    "startup-checks",
-    "input-ids-check",
-    "quiet-extension-lock",
-    "eager-page-hash",
-}
-PENDING_FILES = {"eager_page_hash.py", "input_ids_check.py", "quiet_extension_lock.py", "startup_checks.py"}
 LINE_REF = re.compile(r"[\w/.-]+\.py:\d+|(?:\s|\()(?::\d{2,})\b")
 # torch.ops.* are kernels a machine may not have (sgl_kernel on CPU): not checked
 QUALNAME = re.compile(r"`((?:sglang|torch(?!\.ops\.))(?:\.\w+)+(?::\w+(?:\.\w+)*)?)`")
@@ -49,20 +37,13 @@ def qualnames(text: str) -> list[str]:
 
 def test_every_entry_says_why_how_upstream_and_retire_when() -> None:
     for s in framework.load_series():
-        if s.id in PENDING:
-            continue
         assert s.why and s.how and s.retire_when, f"{s.id}: why/how/retire_when"
         assert s.upstream or s.upstream_none, f"{s.id}: upstream refs, or upstream_none saying why there are none"
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_file_line_references(path: Path) -> None:
-    if path.name in PENDING_FILES:
-        return
     text = path.read_text()
-    if path.name == "series.toml":  # per entry, so pending entries can be skipped
-        specs = [s for s in framework.load_series(path) if s.id not in PENDING]
-        text = "\n".join(f"{s.why}\n{s.how}\n{s.retire_when}\n{s.upstream_none}" for s in specs)
     assert line_refs(text) == [], f"{path}: name upstream code by qualified name, not file:line"
 
 

@@ -1,16 +1,11 @@
-"""Patch `eager-page-hash`: load HiCache's page-hash extension when the storage
-backend is attached, not inside the first prefetch.
+"""Patch `eager-page-hash` (why: patches/series.toml): load HiCache's page-hash
+extension when the storage backend is attached, not inside the first prefetch.
 
-0.5.23 loads the C++ page-hash extension (mem_cache/cpp_utils/native_hash.py:19-43,
-torch cpp_extension + a ninja freshness check) lazily, on the first
-get_hash_str call: in the storage prefetch thread, during the first L3 restore
-of every process. That restore pays the load (~0.25 s on a busy 2-core
-machine; a full compile where the build is missing, and then `/flush_cache`
-gives up after 10 s with "Failed to stop HiCache storage threads cleanly",
-cache_controller.py:518-531). AFTER HiCacheController.attach_storage_backend
-(the point where get_hash_str is bound, :603-606) the extension is loaded on the
-attaching thread: at start-up, before the server reports ready. A load failure
-is logged and left to upstream's own path (it raises at first use, as before).
+How: AFTER HiCacheController.attach_storage_backend (the point where
+get_hash_str is bound) the extension is loaded (upstream's lazy, cached
+`_load_native_hash_module`) on the attaching thread: at start-up, before the
+server reports ready. A load failure is logged and left to upstream's own path
+(it raises at first use, as before).
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
-"""Patch `input-ids-check`: a request whose `input_ids` the model cannot embed is
-a 400 for that request, not the end of the server.
+"""Patch `input-ids-check` (why: patches/series.toml): a request whose
+`input_ids` the model cannot embed is a 400 for that request, not the end of
+the server.
 
-0.5.23 checks the length of caller-supplied `input_ids` but not their values
-(TokenizerManager._validate_one_request, managers/tokenizer_manager.py:1307;
-only token_ids_logprob is range-checked, :1513-1531). With
-`--skip-tokenizer-init` an id >= the vocabulary size reaches the scheduler and
-raises `IndexError: index out of range in self` in VocabParallelEmbedding; the
-scheduler dies and the launcher kills the whole tree (SIGQUIT,
-kill_process_tree). A float, a string or a nested list fails the same way or
-worse.
-
-BEFORE `_validate_one_request` the ids the caller supplied are checked (ints,
-0 <= id < vocab size); a bad one raises ValueError naming its position, which
-http_server turns into HTTP 400 (entrypoints/http_server.py:988-990) while the
-server keeps serving. Ids produced by the server's own tokenizer or multimodal
-processor are not re-checked.
+How: BEFORE `TokenizerManager._validate_one_request` the ids the caller
+supplied are checked (ints, 0 <= id < vocab size); a bad one (out of range, a
+float, a string, a nested list) raises ValueError naming its position, which
+http_server turns into HTTP 400 while the server keeps serving. Ids produced by
+the server's own tokenizer or multimodal processor are not re-checked.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
-"""Patch `quiet-extension-lock`: no "Removing stale PyTorch extension lock"
-warning in every fresh process.
+"""Patch `quiet-extension-lock` (why: patches/series.toml): no "Removing stale
+PyTorch extension lock" warning in every fresh process.
 
-SGLang's JIT loader (utils/cpp_extension_loader.py:95-111, _extension_build_lock)
-was written for torch's old FileBaton, whose `lock` file exists only while a
-build runs, so a leftover one meant a dead builder. torch 2.14 (the pin)
-guards builds with an OS-level FileLock on the same path
-(utils/cpp_extension.py, _jit_compile: `with FileLock(os.path.join(build_directory,
-'lock'))`) and leaves the file behind by design. Every process that loads
-HiCache's page-hash extension then warns that it removes a "stale" lock — a
-message a new user reads as something broken.
-
-AROUND _extension_build_lock: upstream still runs unchanged (it still removes
-the file, harmlessly), but that one message is logged at DEBUG instead of
-WARNING while torch's loader uses FileLock (checked at apply: the anchor must be
-in _jit_compile's source, or the patch refuses and the warning stays).
+How: AROUND SGLang's `_extension_build_lock`: upstream still runs unchanged (it
+still removes the file, harmlessly), but that one message is logged at DEBUG
+instead of WARNING while torch's loader uses FileLock (checked at apply: the
+anchor `with FileLock(os.path.join(build_directory, 'lock'))` must be in
+torch's `_jit_compile` source, or the patch refuses and the warning stays).
 """
 
 from __future__ import annotations

@@ -1,22 +1,19 @@
-"""Patch `startup-checks`: refuse an unusable L3 store or host-memory budget
-while the launcher parses its arguments, before any model is loaded.
+"""Patch `startup-checks` (why: patches/series.toml): refuse an unusable L3 store
+or host-memory budget while the launcher parses its arguments, before any model
+is loaded.
 
-Upstream finds both much later, inside a scheduler process, and the launcher
-then kills the tree (rc 137) minutes in:
+How: AFTER `ServerArgs.from_cli_args` (the launcher's parse, in
+prepare_server_args), in the launching process:
 
-- the store directory is opened by the storage backend when HiCache is built
-  (a regular file: raw FileExistsError; a 0777 directory: our UnsafeStoreError
-  inside a traceback);
-- the HiCache host budget is computed in `auto_size_hicache`
-  (mem_cache/hicache_auto_size.py:108-112, "No host memory is left for HiCache
-  after the 10 GiB reserve") after the device pools were allocated; with
-  `--device cpu` and no `--max-total-tokens` those pools take most of the host
-  memory themselves, so the budget is gone before HiCache asks for it.
+- the store directory is opened with the store's own checks (storage.config +
+  storage.safety), as the storage backend would open it when HiCache is built;
+- the HiCache host budget is predicted as upstream books it
+  (`host_memory_budget_bytes`, `auto_size_hicache`): available - reserve per
+  rank, also for an explicit --hicache-size, less the CPU KV pool when
+  `--device cpu` runs without `--max-total-tokens`.
 
-AFTER `ServerArgs.from_cli_args` (the launcher's parse, prepare_server_args
-server_args.py:710) the same checks run in the launching process and a failure
-is one line on stderr naming the flag and the fix, exit code 2 (argparse's
-convention for a bad command line).
+A failure is one line on stderr naming the flag and the fix, exit code 2
+(argparse's convention for a bad command line).
 """
 
 from __future__ import annotations
@@ -144,7 +141,7 @@ def check_host_memory(
     """Predict upstream's host-memory refusals before anything loads.
 
     Every HiCache host pool is booked against (available - reserve) per rank
-    (host_memory_budget_bytes; `_allocate_host_buffer`, pool_host/base.py:248-257,
+    (host_memory_budget_bytes; `HostKVCache._allocate_host_buffer`,
     also for an explicit --hicache-size), so under the reserve nothing can be
     allocated whatever the flags; auto-sizing fails the same way
     (`auto_size_hicache`). With --device cpu and no --max-total-tokens the KV
@@ -162,7 +159,7 @@ def check_host_memory(
     if device.split(":")[0] == "cpu" and not getattr(args, "max_total_tokens", None):
         # The KV pool gets what is available beyond capacity * (1 - mem_fraction_static)
         # (upstream's default fraction reserves ~3.6 GiB of activations, 10 GiB above
-        # 60 GiB: arg_groups/memory_hook.py:281-330); only that remainder is left.
+        # 60 GiB: `handle_gpu_memory_settings`); only that remainder is left.
         fraction = getattr(args, "mem_fraction_static", None)
         if fraction is not None:
             kept = int(total * (1 - float(fraction)))

@@ -1,11 +1,7 @@
-"""Patch `streamed-restore`: an L3 hit larger than the host staging buffer restores in rounds.
+"""Patch `streamed-restore` (why: patches/series.toml): an L3 hit larger than the
+host staging buffer restores in rounds.
 
-0.5.23 declines a storage hit whose bounce does not fit an *empty* host arena
-(`BufferModePipeline._reject_oversized_prefetch`, buffer_mode/pipeline.py 1276-1289,
-counter `declined_host_oversize`): with a RAM buffer smaller than a context, the
-context is recomputed although it sits whole on the SSD.
-
-Design (R-B of the streamed-staging study, with the rounds driven by a lane of our
+How (design R-B of the streamed-staging study, with the rounds driven by a lane of our
 own rather than by upstream's prefetch thread):
 
 - The hit of length h starting at J (end of the device prefix) is split into

@@ -1,11 +1,7 @@
-"""Patch `streamed-write`: a KV span larger than the host staging buffer goes to L3 in windows.
+"""Patch `streamed-write` (why: patches/series.toml): a KV span larger than the
+host staging buffer goes to L3 in windows.
 
-0.5.23 drops any write-through intent whose KV span exceeds the whole host
-staging pool (`BufferModePipeline.enqueue_backup_intent`, buffer_mode/pipeline.py
-742-746, `_backup_oversize` 752-779; again at the FIFO head, 936-940): with a RAM
-buffer smaller than a context, the context never reaches the SSD.
-
-Here a KV intent longer than the window W is staged window by window while it
+How: a KV intent longer than the window W is staged window by window while it
 stays at the head of the write FIFO (design W-1 of the streamed-staging study):
 
 - `_backup_oversize` judges a KV intent by min(tokens, W); aux pools unchanged.
@@ -13,7 +9,7 @@ stays at the head of the write FIFO (design W-1 of the streamed-staging study):
   page not covered by KV beliefs (stored or in flight), so each window starts
   where the previous ones ended.
 - `_stage_backup_intent`: on success with pages left, the intent goes back to
-  index 1 of the FIFO (the flush loop pops index 0 next, pipeline.py 967) with its
+  index 1 of the FIFO (`flush_pending_writes` pops index 0 next) with its
   queued-span ref and in-flight mark.
 - `finish_backup_ack`: a window at c > 0 extends the write's `prefix_keys` by the
   node's first c page hashes (the store's chain position), on a copy of the intent.

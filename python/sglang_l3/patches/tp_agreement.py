@@ -1,34 +1,18 @@
-"""Patches `tp-agreed-sidecar-heal`, `tp-agreed-flush`, `tp-verify-restores`:
-every L3 decision that must be identical on every TP rank is made from
-rank-agreed data, and SGLANG_L3_VERIFY=1 checks it at run time.
+"""Patches `tp-agreed-sidecar-heal`, `tp-agreed-flush`, `tp-verify-restores`
+(why: patches/series.toml): every L3 decision that must be identical on every
+TP rank is made from rank-agreed data, and SGLANG_L3_VERIFY=1 checks it at run
+time.
 
-With TP >= 2 each rank reads its own L3 page files (KV and Gated-DeltaNet heads
-are split across ranks), so one rank can find a page damaged, missing or
-unwritable while the other does not. Upstream MIN-reduces the hit counts, but
-two decisions still read rank-local data (sglang 0.5.23):
+How:
 
-- tp-agreed-sidecar-heal: a prefetch's Mamba transfer starts with placeholder
-  keys (unified_cache/components/mamba.py:933-941) that
-  HybridCacheController._page_transfer_sidecar re-aligns
-  (_sync_trailing_keys, hybrid_cache_controller.py:1641, :1809-1827) only on a
-  rank whose own KV read completed (:1625). When the MIN-reduced completion is
-  short, UnifiedRadixCache._check_hybrid_prefetch_result heals the sidecar
-  beliefs from those rank-local keys (unified_radix_cache.py:2608-2617): one
-  rank forgets the Mamba page, the other does not. The recompute then queues a
-  Mamba backup on one rank only (buffer_mode/pipeline.py:615-640); backup acks
-  drain by the MIN of the ranks' queues (unified_radix_cache.py:3298-3330), so
-  that rank is never idle again, refuses /flush_cache while the other flushes,
-  and the next request hangs in mismatched collectives. AROUND the check: when
-  the agreed completion is short (and no deadline expired), the non-KV
-  transfers' keys are hidden for the call, so no rank heals a sidecar belief
-  from a transfer some rank never ran. KV beliefs still heal from the agreed
-  count; the discard is unchanged. A Mamba page believed stored but gone is
-  healed by the next (MIN-reduced) exists query.
-- tp-agreed-flush: /flush_cache is decided per rank (Scheduler.flush_cache,
-  scheduler.py:5518, on the local is_fully_idle; SchedulerFlushWrapper with a
-  per-rank wall-clock deadline, flush_wrapper.py:22-60). If the ranks disagree
-  one rank resets its tree and pools while the other keeps them (split brain).
-  The idle flag is MIN-reduced and the deferred deadline MAX-reduced over the
+- tp-agreed-sidecar-heal: AROUND UnifiedRadixCache._check_hybrid_prefetch_result:
+  when the agreed (MIN-reduced) completion is short (and no deadline expired),
+  the non-KV transfers' keys are hidden for the call, so no rank heals a
+  sidecar belief from a transfer some rank never ran. KV beliefs still heal
+  from the agreed count; the discard is unchanged. A Mamba page believed
+  stored but gone is healed by the next (MIN-reduced) exists query.
+- tp-agreed-flush: AROUND Scheduler.flush_cache and SchedulerFlushWrapper:
+  the idle flag is MIN-reduced and the deferred deadline MAX-reduced over the
   TP CPU group, so every rank flushes or refuses together.
 - tp-verify-restores (SGLANG_L3_VERIFY=1 only): every restore decision
   (request id, restored tokens, node path length) is recorded at
