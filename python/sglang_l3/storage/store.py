@@ -29,6 +29,7 @@ from sglang_l3.storage.format import (
 )
 from sglang_l3.storage.identity import ModelIdentity, PoolLayout, Shard, diff
 from sglang_l3.storage.io_engine import IOEngine, ReadJob, WriteJob
+from sglang_l3.storage.retention import open_retention
 from sglang_l3.storage.safety import ensure_store_dir, valid_key, valid_pool
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class PageStore:
         writers = max(1, shard.tp_size * shard.pp_size * shard.cp_size)
         self.max_bytes_rank = settings.max_bytes // writers if settings.max_bytes else 0
         self.min_free_bytes = settings.min_free_bytes(total)
+        self.sessions = open_retention(self.root, self.mid, shard)  # issue 13: session retention
         self.evictor = make_evictor(
             self.pages_dir,
             owned_suffixes=owned,
@@ -118,6 +120,8 @@ class PageStore:
             min_free_bytes=self.min_free_bytes,
             eviction_ratio=settings.eviction_ratio,
             on_evict=lambda _stem: self.counters.inc("evicted"),
+            retention=self.sessions,
+            counters=self.counters,
         )
         metrics.register(self)
         if sweep_strays is None:
@@ -439,6 +443,7 @@ class PageStore:
         return n
 
     def close(self) -> None:
+        self.sessions.close_registry()
         self.engine.close()
 
 
