@@ -121,10 +121,11 @@ class SessionRetention:
         with self._lock:
             old = self._sessions.get(sid)
             prio = priority if priority is not None else (old.priority if old else 0)
+            # A closed session stays closed (a late finish after /close_session
+            # must not re-protect it); /open_session reopens it.
+            is_open = old.open if old is not None else True
             self._put(
-                SessionRecord(
-                    sid, list(keys), int(tokens), int(prio), self._now(), True
-                )
+                SessionRecord(sid, list(keys), int(tokens), int(prio), self._now(), is_open)
             )
             self._changed()
         l3_metrics.inc("session_turns")

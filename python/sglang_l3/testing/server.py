@@ -60,6 +60,7 @@ class ServerConfig:
     chunked_prefill_size: Optional[int] = None
     page_size: Optional[int] = None
     prefetch_threshold: Optional[int] = None
+    storage_extra: dict[str, Any] = field(default_factory=dict)  # more extra-config keys
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -93,11 +94,11 @@ class ServerConfig:
                 "--hicache-storage-backend", "file",
                 "--hicache-mem-layout", "buffer_only",
             ]
+            extra = dict(self.storage_extra)
             if self.prefetch_threshold is not None:
-                a += [
-                    "--hicache-storage-backend-extra-config",
-                    json.dumps({"prefetch_threshold": self.prefetch_threshold}),
-                ]
+                extra["prefetch_threshold"] = self.prefetch_threshold
+            if extra:
+                a += ["--hicache-storage-backend-extra-config", json.dumps(extra)]
         return a + list(self.extra_args)
 
 
@@ -207,14 +208,17 @@ class Server:
                 raise ServerError(f"server died; log {self.log_path}:\n{self.log_tail()}") from e
             raise
 
-    def generate(self, input_ids: list[int], max_new_tokens: int = 8) -> "Generation":
+    def generate(self, input_ids: list[int], max_new_tokens: int = 8,
+                 extra: Optional[dict[str, Any]] = None) -> "Generation":
         """Greedy generation, streamed: returns tokens, logprobs, the server's
-        cached-token metadata, and the client-side time to the first token."""
+        cached-token metadata, and the client-side time to the first token.
+        `extra`: more request fields (e.g. session_id)."""
         body = json.dumps({
             "input_ids": list(input_ids),
             "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
             "return_logprob": True,
             "stream": True,
+            **(extra or {}),
         }).encode()
         req = urllib.request.Request(self.base + "/generate", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
@@ -241,6 +245,14 @@ class Server:
         if last is None:
             raise ServerError("empty streamed response")
         return Generation.from_response(last, len(input_ids), wall, ttft if ttft is not None else wall)
+
+    def post_json(self, path: str, body: Any = None, timeout: float = 300.0) -> Any:
+        """POST a JSON body, return the decoded JSON answer (or the raw text)."""
+        raw = self._request("POST", path, body if body is not None else {}, timeout)
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw.decode(errors="replace")
 
     def flush_cache(self) -> None:
         """POST /flush_cache (HTTP 200 = flushed; 400 = refused, e.g. requests in
