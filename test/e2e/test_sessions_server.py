@@ -56,6 +56,9 @@ def _config(store: Path | None, **storage_extra) -> ServerConfig:
         prefetch_threshold=PREFETCH_THRESHOLD,
         page_size=PAGE_SIZE,
         storage_extra=storage_extra,
+        # explicit: upstream's host-pool auto-sizing refuses to start when a busy
+        # machine has < 10 GiB free (1.2 is buffer-only's default ratio)
+        extra_args=[] if store is None else ["--hicache-ratio", "1.2"],
     )
 
 
