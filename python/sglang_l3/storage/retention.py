@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from sglang_l3 import metrics as l3_metrics
@@ -125,7 +125,9 @@ class SessionRetention:
             # must not re-protect it); /open_session reopens it.
             is_open = old.open if old is not None else True
             self._put(
-                SessionRecord(sid, list(keys), int(tokens), int(prio), self._now(), is_open)
+                SessionRecord(
+                    sid, list(keys), int(tokens), int(prio), self._now(), is_open
+                )
             )
             self._changed()
         l3_metrics.inc("session_turns")
@@ -216,12 +218,27 @@ class SessionRetention:
         assert best is not None
         return best
 
+    def victims(self, stems: Iterable[str]) -> Iterator[tuple[str, int]]:
+        """(stem, class) in eviction order; stems given oldest-first (LRU).
+
+        Lazy: plain pages are yielded in LRU order as the walk meets them, so
+        an eviction that plain pages satisfy never sorts; the protected ones
+        are sorted only once the plain ones are used up."""
+        protected: list[tuple[tuple, int, str]] = []
+        for i, s in enumerate(stems):
+            with self._lock:
+                r = self.rank(key_of_stem(s))
+            if r[0] == PLAIN:
+                yield s, PLAIN
+            else:
+                protected.append((r, i, s))
+        protected.sort(key=lambda t: (t[0], t[1]))
+        for r, _, s in protected:
+            yield s, r[0]
+
     def order(self, stems: Iterable[str]) -> list[str]:
         """Stems in eviction order (stems given oldest-first, i.e. LRU order)."""
-        with self._lock:
-            ranked = [(self.rank(key_of_stem(s)), i, s) for i, s in enumerate(stems)]
-        ranked.sort(key=lambda t: (t[0], t[1]))
-        return [s for _, _, s in ranked]
+        return [s for s, _ in self.victims(stems)]
 
     def class_of(self, key: str) -> int:
         with self._lock:
@@ -298,7 +315,8 @@ def make_session_evictor(
             if not self._lru or not should_continue(0):
                 return 0
             reclaimed = 0
-            for stem in retention.order(list(self._lru.keys())):
+            # a snapshot of the keys (the walk deletes); classes are looked up lazily
+            for stem, cls_id in retention.victims(list(self._lru)):
                 if not should_continue(reclaimed):
                     break
                 size = self._lru.get(stem)
@@ -317,7 +335,7 @@ def make_session_evictor(
                 del self._lru[stem]
                 self._total_bytes -= size
                 reclaimed += freed
-                cls = CLASS_NAMES[retention.class_of(key_of_stem(stem))]
+                cls = CLASS_NAMES[cls_id]
                 counters.inc(f"evicted_{cls}")
                 l3_metrics.inc("l3_evictions", cls)
                 if self._on_evict is not None:
