@@ -19,8 +19,8 @@ A hint is an ordinary prefill-only request, so upstream's own storage prefetch
 and load-back stage it, on every TP rank alike.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI reads the route handlers'
+# annotations (Request) at runtime, from this module's globals.
 import json
 import logging
 import sys
