@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from sglang_l3.patches import framework
 from sglang_l3.session_hints import (
     HINT_RID_PREFIX,
@@ -144,7 +143,6 @@ def test_routes_answer_clearly(monkeypatch, tmp_path):
 
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
-
     from sglang_l3.patches import session_hints as patch
     from sglang_l3.session_hints import BOOK
 
