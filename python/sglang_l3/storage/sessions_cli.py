@@ -3,9 +3,10 @@
 Offline (torch- and sglang-free): reads `<store>/models/<mid>.sessions` and
 the page names in `pages/`, and reports per session what L3 retains for it -
 chain pages on disk, the restorable prefix, bytes, last use. `drop` removes a
-session from the table (its pages become plain pages, evicted first); on a
-store a server is using, do it through the server (`--url`), whose table
-otherwise replaces the file on its next change.
+session from the table (its pages become plain pages, evicted first). A
+server using the store rewrites the table on its next change, so drop with the
+server stopped. `--url` reads a running server's view (GET
+/sglang_l3/sessions) for ls/show.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--dir", help="store directory (default: as for `sglang-l3 store`)")
     p.add_argument(
-        "--url", help="a running server (http://host:port): ask it instead of the files"
+        "--url", help="a running server (http://host:port): ls/show through it"
     )
     sub = p.add_subparsers(dest="sessions_cmd", required=True)
     s = sub.add_parser("ls", help="one line per session")
@@ -122,14 +123,8 @@ def _print_ls(rows: list[dict[str, Any]]) -> None:
         )
 
 
-def _server(url: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(
-        url.rstrip("/") + path,
-        data=data,
-        method="POST" if data else "GET",
-        headers={"Content-Type": "application/json"},
-    )
+def _server(url: str, path: str) -> Any:
+    req = urllib.request.Request(url.rstrip("/") + path, method="GET")
     with urllib.request.urlopen(req, timeout=60) as f:
         return json.loads(f.read())
 
@@ -137,13 +132,14 @@ def _server(url: str, path: str, body: dict[str, Any] | None = None) -> Any:
 def run(args: argparse.Namespace) -> int:
     cmd = args.sessions_cmd
     if args.url:
+        if cmd == "drop":
+            print(
+                "error: drop is offline only (stop the server, then drop on its store directory)",
+                file=sys.stderr,
+            )
+            return 2
         try:
-            if cmd == "drop":
-                out = _server(
-                    args.url, "/sglang_l3/sessions/drop", {"session_id": args.id}
-                )
-            else:
-                out = _server(args.url, "/sglang_l3/sessions")
+            out = _server(args.url, "/sglang_l3/sessions")
         except (urllib.error.URLError, OSError, ValueError) as e:
             print(f"error: {args.url}: {e}", file=sys.stderr)
             return 2
