@@ -102,3 +102,36 @@ def test_without_patch_nothing_is_recorded(tmp_path, without):
         h = SchedulerHarness(st)
         _serve(h, SEQ, "agent-a")
         assert registry_of(st.cache).get("agent-a") is None
+
+
+def test_prefill_only_hint_restores_from_l3_and_leaves_the_context_on_device(
+    tmp_path, core
+):
+    """What a "speaks next" hint is to the scheduler: a prefill-only request
+    (max_new_tokens 0) for the context. Through upstream's admission path it
+    restores the prefix from L3 and leaves it on the device, so the next turn
+    matches on the device and reads nothing from L3."""
+    spec = HybridSpec(page_size=1, kv_size=2048)
+    with L3Stack(spec, str(tmp_path), tree_core=core) as st:
+        h = SchedulerHarness(st)
+        _serve(h, SEQ, "agent-a")
+        ctx = SEQ + [7]  # the turn's context: prompt + its output token
+        st.evict_all()
+        assert st.match(ctx).device_prefix_len == 0
+        backend = st.cache.cache_controller.storage_backend
+        reads = backend.store.counters.get("read_hits")
+        hint = h.make_req(ctx, rid="sglang-l3-hint-test", max_new_tokens=0)
+        h.serve(hint)
+        st.flush_backups()
+        assert backend.store.counters.get("read_hits") > reads, (
+            "the hint did not read from L3"
+        )
+        on_device = st.match(ctx).device_prefix_len
+        assert on_device >= 256, on_device
+        reads = backend.store.counters.get("read_hits")
+        nxt = h.make_req(ctx + list(range(900, 920)))
+        h.arrive(nxt)
+        h.wait_prefetch(nxt)
+        assert backend.store.counters.get("read_hits") == reads, (
+            "the next turn read L3 again"
+        )
