@@ -29,6 +29,7 @@ from l3_e2e import (
 )
 from sglang_l3.storage import sessions as table
 from sglang_l3.storage.format import parse_page_name
+from sglang_l3.storage.safety import StoreDirs
 from sglang_l3.testing.server import Server, ServerConfig, prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -72,12 +73,13 @@ def _record(
     """The session's row in the persisted table (written asynchronously)."""
     deadline = time.monotonic() + timeout
     while True:
-        for path in table.list_tables(store):
-            data = table.read_table_bytes(path)
-            if data:
-                for r in table.decode(data, None)[1]:
-                    if r.id == sid and (want_open is None or r.open == want_open):
-                        return r
+        if table.list_tables(store):
+            with StoreDirs(store, create=False) as dirs:
+                for name in table.list_tables(store):
+                    data = table.read_table_bytes(dirs, name)
+                    for r in table.decode(data or b"", None)[1] if data else []:
+                        if r.id == sid and (want_open is None or r.open == want_open):
+                            return r
         if time.monotonic() > deadline:
             raise AssertionError(
                 f"session {sid} (open={want_open}) not in the table of {store}"

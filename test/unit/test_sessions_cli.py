@@ -10,6 +10,7 @@ from sglang_l3 import cli
 from sglang_l3.storage import sessions as table
 from sglang_l3.storage.config import StoreSettings
 from sglang_l3.storage.identity import ModelIdentity, PoolLayout, Shard
+from sglang_l3.storage.safety import StoreDirs
 from sglang_l3.storage.store import PageStore, WriteItem
 
 KVB = 8192
@@ -74,7 +75,8 @@ def test_ls_show_drop(tmp_path, capsys):
     assert cli.main(["sessions", "--dir", str(root), "ls", "--model", "org/other"]) == 0
     assert "no sessions" in capsys.readouterr().out
     assert cli.main(["sessions", "--dir", str(root), "drop", "agent-b"]) == 0
-    records, reason = table.load(str(root), mid)
+    with StoreDirs(root, create=False) as dirs:
+        records, reason = table.load(dirs, mid)
     assert reason is None and [r.id for r in records] == ["agent-a"]
     assert cli.main(["sessions", "--dir", str(root), "show", "agent-b"]) == 1
     # a restarted store sees the drop

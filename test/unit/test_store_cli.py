@@ -118,7 +118,7 @@ def test_evict_to_size_lru(populated, capsys):
     for i, name in enumerate(pages):  # deterministic recency: later = newer
         os.utime(root / "pages" / name, (1000 + i, 1000 + i))
     keep = header_len_for(KVB) + KVB
-    rc, out = _run(["store", "--dir", str(root), "evict", "--to", str(2 * keep + MB + header_len_for(MB))], capsys)
+    rc, out = _run(["store", "--dir", str(root), "evict", "--yes", "--to", str(2 * keep + MB + header_len_for(MB))], capsys)
     assert rc == 0
     left = sorted(os.listdir(root / "pages"))
     total = sum(os.path.getsize(root / "pages" / n) for n in left)
@@ -128,12 +128,12 @@ def test_evict_to_size_lru(populated, capsys):
 
 def test_clear_by_model_and_all(populated, capsys):
     root, mid_a, mid_b, chain = populated
-    rc, out = _run(["store", "--dir", str(root), "clear", "--model", "org/model-b"], capsys)
+    rc, out = _run(["store", "--dir", str(root), "clear", "--yes", "--model", "org/model-b"], capsys)
     assert rc == 0 and "removed 1 pages" in out.out
     assert all(mid_b not in n for n in os.listdir(root / "pages"))
-    rc, out = _run(["store", "--dir", str(root), "clear", "--model", "nope"], capsys)
+    rc, out = _run(["store", "--dir", str(root), "clear", "--yes", "--model", "nope"], capsys)
     assert rc == 1
-    rc, out = _run(["store", "--dir", str(root), "clear"], capsys)
+    rc, out = _run(["store", "--dir", str(root), "clear", "--yes"], capsys)
     assert rc == 0 and os.listdir(root / "pages") == []
 
 

@@ -13,51 +13,61 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from sglang_l3.storage.safety import IDENTITY_OVERRIDE_RE
+
 DURABILITY_MODES = ("none", "batch")
 ODIRECT_MODES = ("auto", "on", "off")
 
-_SI = {"k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-_IEC = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|k|K|M|G|T)?B?\s*$")
+_SI = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_IEC = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+# Units are case-insensitive (1kib = 1KiB = 1024); a trailing B is optional.
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?", re.IGNORECASE)
+SIZE_EXAMPLES = "200G, 1.5T, 180Gi, 1kib, 1073741824, 5%"
 
 
 class ConfigError(ValueError):
     """A setting has a value we cannot use; the message names the setting."""
 
 
-def parse_size(value: Any, *, name: str = "size", fs_total: Optional[int] = None) -> int:
-    """'20G' (SI, like upstream's human_readable_int), '20Gi'/'20GiB' (IEC),
-    plain bytes, or 'N%' of the filesystem (needs fs_total). 0 / '' / None = off."""
-    if value is None or value == "":
+def parse_size(value: Any, *, name: str = "size", fs_total: Optional[int] = None, strict: bool = False) -> int:
+    """'20G' (SI, like upstream's human_readable_int), '20Gi'/'20GiB'/'20gib'
+    (IEC), plain bytes, or 'N%' of the filesystem (needs fs_total).
+    Settings: 0 / '' / None = off. strict=True (destructive CLI values): empty,
+    fractional byte counts ('0.5'), negatives and unknown units are errors."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        if strict:
+            raise ConfigError(f"{name}: empty size (examples: {SIZE_EXAMPLES})")
         return 0
     if isinstance(value, bool):
         raise ConfigError(f"{name}: expected a size, got {value!r}")
     if isinstance(value, (int, float)):
         if value < 0:
             raise ConfigError(f"{name}: negative size {value!r}")
+        if strict and value != int(value):
+            raise ConfigError(f"{name}: {value!r} is not a whole number of bytes")
         return int(value)
     s = str(value).strip()
+    if s.startswith("-"):
+        raise ConfigError(f"{name}: negative size {s!r} (examples: {SIZE_EXAMPLES})")
     if s.endswith("%"):
         if fs_total is None:
             raise ConfigError(f"{name}: a percentage needs a filesystem, got {s!r}")
         try:
             pct = float(s[:-1])
         except ValueError as e:
-            raise ConfigError(f"{name}: bad percentage {s!r}") from e
+            raise ConfigError(f"{name}: bad percentage {s!r} (examples: {SIZE_EXAMPLES})") from e
         if not 0 <= pct <= 100:
             raise ConfigError(f"{name}: percentage out of range: {s!r}")
         return int(fs_total * pct / 100)
-    m = _SIZE_RE.match(s)
+    m = _SIZE_RE.fullmatch(s)
     if not m:
-        raise ConfigError(
-            f"{name}: cannot parse size {s!r} (examples: 200G, 180Gi, 1073741824, 5%)"
-        )
+        raise ConfigError(f"{name}: cannot parse size {s!r} (examples: {SIZE_EXAMPLES})")
     number, suffix = m.groups()
-    if suffix in _IEC:
-        return int(float(number) * _IEC[suffix])
-    if suffix:
-        return int(float(number) * _SI[suffix])
-    return int(float(number))
+    unit = _IEC[suffix.lower()] if suffix and suffix.lower() in _IEC else _SI[suffix.lower()] if suffix else 1
+    if strict and not suffix and "." in number:
+        raise ConfigError(f"{name}: {s!r} is not a whole number of bytes; give a unit "
+                          f"or a percentage (examples: {SIZE_EXAMPLES})")
+    return int(float(number) * unit)
 
 
 def default_store_dir() -> Path:
@@ -139,6 +149,9 @@ class StoreSettings:
             raise ConfigError(f"io_threads must be in 1..256, got {threads}")
         if not 0.0 < ratio <= 1.0:
             ratio = 0.9
+        override = str(pick(("model_identity",), ("SGLANG_L3_STORE_MODEL_IDENTITY",), ""))
+        if not IDENTITY_OVERRIDE_RE.fullmatch(override):
+            raise ConfigError(f"model_identity must match [A-Za-z0-9_.:@+=-]{{0,128}}, got {override!r}")
         qmax = parse_size(extra.get("quarantine_max_bytes", 2 * 2**30), name="quarantine_max_bytes")
         return cls(
             root=Path(str(root)).expanduser(),
@@ -149,5 +162,5 @@ class StoreSettings:
             io_threads=threads,
             eviction_ratio=ratio,
             quarantine_max_bytes=qmax,
-            model_identity=str(pick(("model_identity",), ("SGLANG_L3_STORE_MODEL_IDENTITY",), "")),
+            model_identity=override,
         )

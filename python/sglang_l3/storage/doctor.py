@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from sglang_l3.storage import index, metrics
 from sglang_l3.storage.config import ConfigError, StoreSettings
-from sglang_l3.storage.safety import SUBDIRS, UnsafeStoreError, check_dir
+from sglang_l3.storage.safety import UnsafeStoreError, check_dir, check_store
 
 
 def _fmt(n: float) -> str:
@@ -47,11 +47,20 @@ def report(store_dir: Optional[str] = None) -> dict[str, Any]:
                  f"cap={_fmt(settings.max_bytes) if settings.max_bytes else 'none'}, min free={settings.min_free})")
     if root.startswith("/tmp/") or root == "/tmp":
         lines.append("  note: the store is under /tmp (often RAM-backed or cleaned at boot)")
-    if not os.path.isdir(root):
+    if not os.path.lexists(root):
         data["exists"] = False
         lines.append("  does not exist yet; it is created (mode 0700) on first start")
         return {"ok": True, "lines": lines, "data": data}
     data["exists"] = True
+    if not os.path.isdir(root):  # a file or a dangling link: the server refuses it, say so once
+        data["safe"] = False
+        try:
+            check_dir(root)
+            reason = f"{root} is not a directory"
+        except UnsafeStoreError as e:
+            reason = str(e)
+        lines.append(f"  UNUSABLE: {reason}")
+        return {"ok": False, "lines": lines, "data": data}
     st = os.stat(root)
     try:
         owner = pwd.getpwuid(st.st_uid).pw_name
@@ -60,16 +69,13 @@ def report(store_dir: Optional[str] = None) -> dict[str, Any]:
     mode = stat.S_IMODE(st.st_mode)
     data.update(owner=owner, uid=st.st_uid, mode=f"{mode:04o}", fs=_fs_type(os.path.realpath(root)))
     try:
-        check_dir(root)
-        for sub in SUBDIRS:
-            if os.path.exists(os.path.join(root, sub)):
-                check_dir(os.path.join(root, sub))
+        check_store(root)  # the same check as the server and every `store` subcommand
         lines.append(f"  owner {owner}, mode {mode:04o}, filesystem {data['fs']}: ok")
         data["safe"] = True
     except UnsafeStoreError as e:
-        ok = False
         data["safe"] = False
         lines.append(f"  UNSAFE: {e}")
+        return {"ok": False, "lines": lines, "data": data}  # not read: the server would refuse it too
     vfs = os.statvfs(root)
     total, free = vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
     try:

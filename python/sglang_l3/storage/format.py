@@ -67,6 +67,11 @@ def file_len_for(payload_len: int) -> int:
     return header_len_for(payload_len) + payload_len
 
 
+def block_hasher() -> xxhash.xxh3_64:
+    """Streaming form of block_sum: update() piece by piece, then intdigest()."""
+    return xxhash.xxh3_64()
+
+
 def block_sum(views: Iterable[memoryview]) -> int:
     h = xxhash.xxh3_64()
     for v in views:

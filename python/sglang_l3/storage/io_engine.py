@@ -2,10 +2,18 @@
 
 Upstream's file backend reads/writes one page at a time on one thread through
 a temporary tensor (hicache_storage.py:865-913). Here a batch of pages is cut
-into 4 MiB checksum blocks; a thread pool runs one `preadv`/`pwritev` per
-block directly on the caller's memoryviews (the host pool's own memory), so
-the disk sees many requests in flight and no byte is copied in user space.
-Checksums are computed per block in the same worker (xxhash releases the GIL).
+into 4 MiB checksum blocks; workers (the calling thread plus pool threads)
+pull blocks off one shared list and run one `preadv`/`pwritev` per block
+directly on the caller's memoryviews (the host pool's own memory), so the disk
+sees many requests in flight and no byte is copied in user space. Checksums
+are computed per block in the same worker (xxhash releases the GIL); buffered
+reads are hashed piece by piece right after each piece lands, while it is
+still in the CPU cache.
+
+CPU cost (benchmark/storage_bench.py --tmpfs): a buffered copy is CPU work, so
+a batch without O_DIRECT runs on at most one worker per CPU - more threads only
+preempt each other mid-copy and evict each other's blocks from the cache;
+O_DIRECT batches use all `io_threads` (queue depth for the device).
 
 Writes: tmp file (O_EXCL, 0600) -> fallocate -> payload blocks -> header ->
 [fdatasync] -> rename; with durability=batch the pages directory is fsynced
@@ -20,6 +28,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
+import itertools
 import logging
 import mmap
 import os
@@ -35,12 +44,15 @@ from sglang_l3.storage.format import (
     BLOCK_BYTES,
     Header,
     HeaderError,
+    align_up,
+    block_hasher,
     block_sum,
     decode_header,
     encode_header,
     header_len_for,
     n_blocks_for,
 )
+from sglang_l3.storage.safety import StoreDirs, UnsafeFileError, open_file
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +60,16 @@ _IOV_MAX = 512
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _ENOSPC = {errno.ENOSPC, errno.EDQUOT}
 _TOUCH_AFTER_S = 60.0
+# Buffered reads land piece by piece and each piece is hashed while it is in
+# the CPU cache (L2 is 1-2 MiB per core); the block's checksum is unchanged.
+_READ_PIECE = 512 << 10
+
+
+def _cpu_count() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 @dataclass
@@ -166,6 +188,27 @@ def _aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(nbytes, ALIGN))  # anonymous maps are page-aligned
 
 
+def _read_hashed(p: _Page, i: int, a: int, b: int) -> None:
+    """Buffered read of payload block i ([a, b)) in pieces, each hashed while
+    it is still in the cache (block 0 brings the header along)."""
+    h = block_hasher()
+    s = a
+    while s < b:
+        e = min(s + _READ_PIECE, b)
+        views = _slice(p.runs, p.cum, s, e)
+        if s == 0:
+            got = _preadv_all(p.fd, [p.hdr] + views, 0) - p.hlen
+        else:
+            got = _preadv_all(p.fd, views, p.hlen + s)
+        if got != e - s:
+            p.short = True
+            return
+        for v in views:
+            h.update(v)
+        s = e
+    p.sums[i] = h.intdigest()
+
+
 @dataclass
 class _Page:
     index: int
@@ -197,15 +240,22 @@ class IOEngine:
         durability: str,
         tmp_dir: str,
         pages_dir: str,
+        dirs: StoreDirs | None = None,
     ):
         self.threads = threads
         self.odirect = bool(odirect and _O_DIRECT)
         self.durability = durability
         self.tmp_dir = tmp_dir
         self.pages_dir = pages_dir
+        # Opened, checked tmp/ and pages/: every open, rename and unlink is
+        # relative to them and follows no link (safety.open_file).
+        self._dir_fds: dict[str, int] = {}
+        if dirs is not None:
+            self._dir_fds = {os.path.abspath(dirs.path(s)): dirs.fd(s) for s in ("tmp", "pages")}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="sglang-l3-io")
         self._lock = threading.Lock()
         self._tls = threading.local()
+        self._cpus = _cpu_count()
         self._closed = False
 
     def close(self) -> None:
@@ -231,49 +281,104 @@ class IOEngine:
             self._tls.bounce = mv
         return mv
 
+    def _at(self, path: str) -> tuple[int | None, str]:
+        """(directory fd, name) for a path in tmp/ or pages/; (None, path) otherwise."""
+        head, name = os.path.split(path)
+        return self._dir_fds.get(os.path.abspath(head)), name
+
+    def _open_nofollow(self, path: str, flags: int, mode: int) -> int:
+        """A regular file of ours, never through a link (UnsafeFileError otherwise)."""
+        dfd, name = self._at(path)
+        if dfd is not None:
+            return open_file(dfd, name, flags, mode)
+        head, name = os.path.split(os.path.abspath(path))
+        dfd = os.open(head, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return open_file(dfd, name, flags, mode)
+        finally:
+            os.close(dfd)
+
+    def _rename(self, src: str, dst: str) -> None:
+        (sfd, sname), (dfd, dname) = self._at(src), self._at(dst)
+        if sfd is not None and dfd is not None:
+            os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)  # replaces a link, never follows it
+        else:
+            os.rename(src, dst)
+
+    def _unlink(self, path: str) -> None:
+        dfd, name = self._at(path)
+        if dfd is not None:
+            os.unlink(name, dir_fd=dfd)
+        else:
+            os.unlink(path)
+
     def _open(self, path: str, flags: int, direct: bool, mode: int = 0o600) -> tuple[int, bool]:
         if direct:
             try:
-                return os.open(path, flags | _O_DIRECT | os.O_CLOEXEC, mode), True
+                return self._open_nofollow(path, flags | _O_DIRECT, mode), True
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 logger.warning("sglang-l3 store: O_DIRECT unsupported here (%s); using buffered IO", e)
                 self.odirect = False
-        return os.open(path, flags | os.O_CLOEXEC, mode), False
+        return self._open_nofollow(path, flags, mode), False
+
+    def _header_arena(self, nbytes: int) -> memoryview:
+        """Aligned scratch for this call's headers, reused per calling thread
+        (a fresh anonymous map per batch costs page faults and zeroing)."""
+        arena = getattr(self._tls, "headers", None)
+        if arena is None or arena.nbytes < nbytes:
+            arena = memoryview(_aligned_buffer(align_up(nbytes, 1 << 20)))
+            self._tls.headers = arena
+        return arena[:nbytes]
+
+    def _workers(self, pages: list[_Page]) -> int:
+        """Buffered IO is a CPU copy: one worker per CPU. O_DIRECT waits on the
+        device: io_threads requests in flight."""
+        if any(p.direct for p in pages):
+            return self.threads
+        return min(self.threads, self._cpus)
 
     def _run(self, pages: list[_Page], task: Callable[[_Page, int], None],
              finalize: Callable[[_Page], None]) -> None:
-        """Run every block of every page on the pool; the last block of a page
-        finalizes it in the same worker (so fdatasync/rename run in parallel)."""
-        done = threading.Semaphore(0)
-        lock = threading.Lock()
-
-        def block(page: _Page, i: int) -> None:
-            try:
-                if page.error is None:
-                    task(page, i)
-            except BaseException as e:  # recorded, never raised into the caller
-                page.error = page.error or e
-            with lock:
-                page.remaining -= 1
-                last = page.remaining == 0
-            if last:
-                try:
-                    finalize(page)
-                finally:
-                    done.release()
-
-        n = 0
+        """Run every block of every page; the last block of a page finalizes it
+        in the same worker (so fdatasync/rename run in parallel). Workers take
+        blocks off one list (no per-block future or hand-off); the caller is
+        one of them, so one worker means no thread switch at all."""
+        blocks: list[tuple[_Page, int]] = []
         for page in pages:
             nb = n_blocks_for(page.payload_len)
             page.remaining = nb
-            page.sums = [None] * nb
-            n += 1
-            for i in range(nb):
-                self._pool.submit(block, page, i)
-        for _ in range(n):
-            done.acquire()
+            page.sums = [0] * nb
+            blocks.extend((page, i) for i in range(nb))
+        n_blocks = len(blocks)
+        claim = itertools.count().__next__  # atomic under the GIL
+        lock = threading.Lock()
+
+        def drain() -> None:
+            while True:
+                k = claim()
+                if k >= n_blocks:
+                    return
+                page, i = blocks[k]
+                try:
+                    if page.error is None:
+                        task(page, i)
+                except BaseException as e:  # recorded, never raised into the caller
+                    page.error = page.error or e
+                with lock:
+                    page.remaining -= 1
+                    last = page.remaining == 0
+                if last:
+                    try:
+                        finalize(page)
+                    except BaseException:  # finalize records its own result
+                        logger.exception("sglang-l3 store: finalizing a page failed")
+
+        helpers = [self._pool.submit(drain) for _ in range(min(self._workers(pages), n_blocks) - 1)]
+        drain()
+        for f in helpers:
+            f.result()
 
     # ------------------------------------------------------------------ write
     def write(self, jobs: Sequence[WriteJob]) -> list[IOResult]:
@@ -311,11 +416,11 @@ class IOEngine:
             pages.append(page)
         if pages:
             if any(p.direct for p in pages):
-                hbuf = _aligned_buffer(sum(p.hlen for p in pages))
+                hbuf = self._header_arena(sum(p.hlen for p in pages if p.direct))
             off = 0
             for p in pages:
                 if p.direct:
-                    p.hdr = memoryview(hbuf)[off : off + p.hlen]
+                    p.hdr = hbuf[off : off + p.hlen]
                     off += p.hlen
 
             def task(p: _Page, i: int) -> None:
@@ -343,7 +448,7 @@ class IOEngine:
                         os.fdatasync(p.fd)
                     os.close(p.fd)
                     p.fd = -1
-                    os.rename(p.tmp, job.final_path)
+                    self._rename(p.tmp, job.final_path)
                     results[p.index] = IOResult(True, direct=p.direct, bounce=p.bounce)
                 except BaseException as e:
                     self._discard(p)
@@ -354,11 +459,15 @@ class IOEngine:
             self._run(pages, task, finalize)
             if self.durability == "batch" and any(results[p.index].ok for p in pages):
                 try:
-                    dfd = os.open(self.pages_dir, os.O_RDONLY | os.O_DIRECTORY)
-                    try:
+                    dfd = self._dir_fds.get(os.path.abspath(self.pages_dir))
+                    if dfd is not None:
                         os.fsync(dfd)
-                    finally:
-                        os.close(dfd)
+                    else:
+                        dfd = os.open(self.pages_dir, os.O_RDONLY | os.O_DIRECTORY)
+                        try:
+                            os.fsync(dfd)
+                        finally:
+                            os.close(dfd)
                 except OSError as e:  # renames happened; only durability is in doubt
                     logger.warning("sglang-l3 store: directory fsync failed: %s", e)
         return [r if r is not None else IOResult(False, "io_error", "not run") for r in results]
@@ -371,8 +480,7 @@ class IOEngine:
         p.hdr[:] = header  # aligned buffer for O_DIRECT
         return p.hdr
 
-    @staticmethod
-    def _discard(p: _Page) -> None:
+    def _discard(self, p: _Page) -> None:
         if p.fd >= 0:
             try:
                 os.close(p.fd)
@@ -381,12 +489,14 @@ class IOEngine:
             p.fd = -1
         if p.tmp:
             try:
-                os.unlink(p.tmp)
+                self._unlink(p.tmp)
             except OSError:
                 pass
 
     @staticmethod
     def _error_result(e: BaseException) -> IOResult:
+        if isinstance(e, UnsafeFileError):  # a link / directory / FIFO / foreign file at the name: damage
+            return IOResult(False, e.kind, str(e), corrupt=True)
         if isinstance(e, OSError) and e.errno in _ENOSPC:
             return IOResult(False, "enospc", str(e))
         if isinstance(e, FileNotFoundError):
@@ -427,14 +537,17 @@ class IOEngine:
             pages.append(page)
         if not pages:
             return [r for r in results]  # type: ignore[misc]
-        hbuf = _aligned_buffer(sum(p.hlen for p in pages))
+        hbuf = self._header_arena(sum(p.hlen for p in pages))
         off = 0
         for p in pages:
-            p.hdr = memoryview(hbuf)[off : off + p.hlen]
+            p.hdr = hbuf[off : off + p.hlen]
             off += p.hlen
 
         def task(p: _Page, i: int) -> None:
             a, b = i * BLOCK_BYTES, min((i + 1) * BLOCK_BYTES, p.payload_len)
+            if not p.direct:
+                _read_hashed(p, i, a, b)
+                return
             views = _slice(p.runs, p.cum, a, b)
             want = b - a
             dst = [self._bounce()[:want]] if p.bounce else views

@@ -49,13 +49,14 @@ class SessionRetention:
 
     def __init__(
         self,
-        root: str | None,
+        dirs: Any,
         mid: str,
         *,
         writer: bool,
         now: Callable[[], float] = time.time,
     ):
-        self.root, self.mid, self.writer = root, mid, writer and root is not None
+        # dirs: the store's StoreDirs (its descriptor-relative safe file helpers)
+        self.dirs, self.mid, self.writer = dirs, mid, writer and dirs is not None
         self._now = now
         self._lock = threading.Lock()
         self._sessions: dict[str, SessionRecord] = {}
@@ -66,15 +67,15 @@ class SessionRetention:
         self._wake = threading.Event()
         self._closed = False
         self.load_reason: str | None = None
-        if root is not None:
-            records, self.load_reason = table.load(root, mid)
+        if dirs is not None:
+            records, self.load_reason = table.load(dirs, mid)
             for r in records:
                 self._put(r)
             if records:
                 logger.info(
                     "sglang-l3 sessions: %d session(s) restored from %s (%d open)",
                     len(records),
-                    table.table_path(root, mid),
+                    dirs.path("models", table.table_name(mid)),
                     sum(r.open for r in records),
                 )
         self._thread: threading.Thread | None = None
@@ -273,7 +274,7 @@ class SessionRetention:
                     for r in self._sessions.values()
                 ]
             try:
-                table.save(str(self.root), self.mid, snap)
+                table.save(self.dirs, self.mid, snap)
             except OSError as e:
                 logger.warning(
                     "sglang-l3 sessions: cannot write the session table: %s", e
@@ -297,10 +298,10 @@ class SessionRetention:
         self._wake.set()
 
 
-def open_retention(root: Any, mid: str, shard: Any) -> SessionRetention:
+def open_retention(dirs: Any, mid: str, shard: Any) -> SessionRetention:
     """The store's registry; rank 0 (of TP/PP/CP) writes the table."""
     writer = shard.tp_rank == 0 and shard.pp_rank == 0 and shard.cp_rank == 0
-    return SessionRetention(str(root), mid, writer=writer)
+    return SessionRetention(dirs, mid, writer=writer)
 
 
 def make_session_evictor(

@@ -19,10 +19,10 @@ import hashlib
 import json
 import logging
 import os
-import stat
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
-from sglang_l3.storage.safety import valid_key
+from sglang_l3.storage.safety import StoreDirs, valid_key
 
 logger = logging.getLogger(__name__)
 
@@ -53,85 +53,33 @@ def valid_session_id(sid: object) -> bool:
     return isinstance(sid, str) and 0 < len(sid) <= MAX_ID_LEN and sid.isprintable()
 
 
-def table_path(root: str, mid: str) -> str:
-    return os.path.join(str(root), "models", f"{mid}{SUFFIX}")
-
-
 # ------------------------------------------------------------------ file I/O
-def read_table_bytes(path: str) -> bytes | None:
-    """The table's bytes, or None when there is no table. A symlink, a
-    non-regular file or an oversized file is refused (TableError)."""
-    try:
-        fd = os.open(
-            path,
-            os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
-        )
-    except FileNotFoundError:
+def table_name(mid: str) -> str:
+    return f"{mid}{SUFFIX}"
+
+
+def read_table_bytes(dirs: StoreDirs, name: str) -> bytes | None:
+    """The table's bytes (through the store's descriptor-relative, link-refusing
+    helpers), or None when there is none. A link, a directory, a file of
+    another user or an oversized file is refused (TableError)."""
+    kind, _ = dirs.classify("models", name)
+    if kind == "missing":
         return None
-    except OSError as e:
-        raise TableError(f"cannot open {path}: {e}") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise TableError(f"{path} is not a regular file")
-        if st.st_size > MAX_TABLE_BYTES:
-            raise TableError(f"{path} is {st.st_size} bytes (limit {MAX_TABLE_BYTES})")
-        chunks = []
-        while True:
-            b = os.read(fd, 1 << 20)
-            if not b:
-                break
-            chunks.append(b)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def replace_table_bytes(path: str, data: bytes, tmp_dir: str) -> None:
-    """Atomically replace the table at path with data (raises OSError)."""
-    tmp = os.path.join(tmp_dir, f"{os.getpid()}-sessions-{os.path.basename(path)}.tmp")
-    flags = (
-        os.O_WRONLY
-        | os.O_CREAT
-        | os.O_TRUNC
-        | getattr(os, "O_NOFOLLOW", 0)
-        | getattr(os, "O_CLOEXEC", 0)
-    )
-    fd = os.open(tmp, flags, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    os.close(fd)
-    try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(f"{path} exists and is not a regular file; not replacing it")
-    except FileNotFoundError:
-        pass
-    except OSError:
-        os.unlink(tmp)
-        raise
-    os.replace(tmp, path)
-    try:
-        dfd = os.open(
-            os.path.dirname(path), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+    if kind != "file":
+        raise TableError(
+            f"{dirs.path('models', name)} is a {kind}, not a table of ours"
         )
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass  # the rename is atomic either way; fsync of the dir is durability only
+    data = dirs.read_file("models", name, MAX_TABLE_BYTES)
+    if data is None:
+        raise TableError(
+            f"{dirs.path('models', name)} is unreadable or over {MAX_TABLE_BYTES} bytes"
+        )
+    return data
+
+
+def replace_table_bytes(dirs: StoreDirs, name: str, data: bytes) -> None:
+    """Atomically replace the table (tmp/ + fsync + rename; raises OSError)."""
+    dirs.replace_file("models", name, data, durable=True)
 
 
 # ------------------------------------------------------------------ encoding
@@ -209,12 +157,12 @@ def decode(data: bytes, mid: str | None) -> tuple[str, list[SessionRecord]]:
     return str(doc.get("mid")), [_record(d) for d in sessions]
 
 
-def load(root: str, mid: str) -> tuple[list[SessionRecord], str | None]:
+def load(dirs: StoreDirs, mid: str) -> tuple[list[SessionRecord], str | None]:
     """(records, reason): reason is None when the table was read (or absent),
     else why it was ignored (logged here)."""
-    path = table_path(root, mid)
+    name = table_name(mid)
     try:
-        data = read_table_bytes(path)
+        data = read_table_bytes(dirs, name)
         if data is None:
             return [], None
         return decode(data, mid)[1], None
@@ -222,21 +170,27 @@ def load(root: str, mid: str) -> tuple[list[SessionRecord], str | None]:
         reason = str(e)
     except OSError as e:
         reason = f"cannot read: {e}"
-    logger.warning("sglang-l3 sessions: ignoring session table %s: %s", path, reason)
+    logger.warning(
+        "sglang-l3 sessions: ignoring session table %s: %s",
+        dirs.path("models", name),
+        reason,
+    )
     return [], reason
 
 
-def save(root: str, mid: str, records: list[SessionRecord]) -> None:
-    replace_table_bytes(
-        table_path(root, mid), encode(mid, records), os.path.join(str(root), "tmp")
-    )
+def save(dirs: StoreDirs, mid: str, records: list[SessionRecord]) -> None:
+    replace_table_bytes(dirs, table_name(mid), encode(mid, records))
 
 
-def list_tables(root: str) -> list[str]:
-    """Paths of every session table in a store directory."""
+def table_path(root: Any, mid: str) -> str:
+    return os.path.join(str(root), "models", table_name(mid))
+
+
+def list_tables(root: Any) -> list[str]:
+    """Names (in models/) of every session table in a store directory."""
     d = os.path.join(str(root), "models")
     try:
-        return sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith(SUFFIX))
+        return sorted(n for n in os.listdir(d) if n.endswith(SUFFIX))
     except FileNotFoundError:
         return []
 

@@ -22,6 +22,7 @@ from typing import Any
 from sglang_l3.storage import index
 from sglang_l3.storage import sessions as table
 from sglang_l3.storage.cli import fmt_bytes, resolve_dir
+from sglang_l3.storage.safety import StoreDirs, UnsafeStoreError
 
 KV_POOL = "kv"
 
@@ -62,14 +63,24 @@ def _rows(root: str, model: str | None) -> list[dict[str, Any]]:
         sizes[k] = sizes.get(k, 0) + p.size
         if p.name.pool == KV_POOL:
             kv.add(k)
-    out = []
-    for path in table.list_tables(root):
-        try:
-            data = table.read_table_bytes(path)
-            mid, records = table.decode(data or b"", None)
-        except (table.TableError, OSError) as e:
-            out.append({"table": path, "error": str(e)})
-            continue
+    out: list[dict[str, Any]] = []
+    names = table.list_tables(root)
+    if not names:
+        return out
+    try:
+        dirs = StoreDirs(root, create=False)
+    except (UnsafeStoreError, OSError) as e:
+        return [{"table": root, "error": str(e)}]
+    with dirs:
+        tables = []
+        for name in names:
+            try:
+                tables.append(
+                    table.decode(table.read_table_bytes(dirs, name) or b"", None)
+                )
+            except (table.TableError, OSError) as e:
+                out.append({"table": dirs.path("models", name), "error": str(e)})
+    for mid, records in tables:
         if mids is not None and mid not in mids:
             continue
         for r in records:
@@ -190,14 +201,15 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  chain: {r['keys'][0][:16]}… → {r['keys'][-1][:16]}…")
         return 0
     # drop
-    for mid in sorted({r["mid"] for r in hits}):
-        records, reason = table.load(root, mid)
-        if reason is not None:
-            print(f"error: table of {mid} unusable: {reason}", file=sys.stderr)
-            return 1
-        table.save(root, mid, [r for r in records if r.id != args.id])
-        print(
-            f"dropped session {args.id} from model {mid[:12]} (its pages are now plain; "
-            f"a server using this store rewrites its table on its next change - use --url)"
-        )
+    with StoreDirs(root, create=False) as dirs:
+        for mid in sorted({r["mid"] for r in hits}):
+            records, reason = table.load(dirs, mid)
+            if reason is not None:
+                print(f"error: table of {mid} unusable: {reason}", file=sys.stderr)
+                return 1
+            table.save(dirs, mid, [r for r in records if r.id != args.id])
+            print(
+                f"dropped session {args.id} from model {mid[:12]} (its pages are now plain; "
+                f"a server using this store rewrites its table on its next change: stop it first)"
+            )
     return 0

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import stat
 import threading
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from sglang_l3.storage import metrics
+from sglang_l3.storage import metrics, writers
 from sglang_l3.storage.config import StoreSettings
 from sglang_l3.storage.evictor import fs_usage, make_evictor
 from sglang_l3.storage.format import (
@@ -30,11 +31,10 @@ from sglang_l3.storage.format import (
 from sglang_l3.storage.identity import ModelIdentity, PoolLayout, Shard, diff
 from sglang_l3.storage.io_engine import IOEngine, ReadJob, WriteJob
 from sglang_l3.storage.retention import open_retention
-from sglang_l3.storage.safety import ensure_store_dir, valid_key, valid_pool
+from sglang_l3.storage.safety import StoreDirs, valid_key, valid_mid, valid_pool
 
 logger = logging.getLogger(__name__)
 
-_TMP_MAX_AGE_S = 24 * 3600
 _STRAY_MIN_AGE_S = 60
 
 
@@ -63,16 +63,6 @@ class ReadItem:
     runs: Sequence[memoryview]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class PageStore:
     def __init__(
         self,
@@ -87,12 +77,21 @@ class PageStore:
         self.model = model
         self.shard = shard
         self.mid = model.digest()
-        self.root = ensure_store_dir(settings.root)
+        if not valid_mid(self.mid):
+            raise ValueError(f"invalid model identity digest {self.mid!r}")
+        # Opened and checked once; pages/tmp/quarantine IO is relative to these descriptors.
+        self.dirs = StoreDirs(settings.root)
+        self.root = self.dirs.root
         self.pages_dir = str(self.root / "pages")
         self.tmp_dir = str(self.root / "tmp")
         self.quarantine_dir = str(self.root / "quarantine")
         self.counters = metrics.Counters()
         self._qlock = threading.Lock()
+        self._static_meta: dict[tuple[str, str], dict] = {}
+        try:
+            writers.hold_writer_lock(self.dirs)
+        except OSError as e:  # e.g. no flock on this filesystem: liveness falls back to the pid check
+            logger.warning("sglang-l3 store: cannot take the writer lock in %s: %s", self.dirs.path("locks"), e)
         self._cleanup_tmp()
         self._write_manifest()
         self.odirect = self._probe_odirect(settings.odirect)
@@ -102,16 +101,17 @@ class PageStore:
             durability=settings.durability,
             tmp_dir=self.tmp_dir,
             pages_dir=self.pages_dir,
+            dirs=self.dirs,
         )
         self.own_suffix = f".{self.mid}.{shard.name()}"
         self.shared_suffix = f".{self.mid}.{shard.name(replicated=True)}"
         self._replicated_writer = replicated_writer
         owned = (self.own_suffix,) + ((self.shared_suffix,) if replicated_writer else ())
         total, _ = fs_usage(self.pages_dir)
-        writers = max(1, shard.tp_size * shard.pp_size * shard.cp_size)
-        self.max_bytes_rank = settings.max_bytes // writers if settings.max_bytes else 0
+        n_writers = max(1, shard.tp_size * shard.pp_size * shard.cp_size)
+        self.max_bytes_rank = settings.max_bytes // n_writers if settings.max_bytes else 0
         self.min_free_bytes = settings.min_free_bytes(total)
-        self.sessions = open_retention(self.root, self.mid, shard)  # issue 13: session retention
+        self.sessions = open_retention(self.dirs, self.mid, shard)  # issue 13: session retention
         self.evictor = make_evictor(
             self.pages_dir,
             owned_suffixes=owned,
@@ -126,8 +126,10 @@ class PageStore:
         metrics.register(self)
         if sweep_strays is None:
             sweep_strays = shard.tp_rank == 0 and shard.pp_rank == 0 and shard.cp_rank == 0
+        self._sweeper: threading.Thread | None = None
         if sweep_strays:
-            threading.Thread(target=self._sweep_strays, name="sglang-l3-sweep", daemon=True).start()
+            self._sweeper = threading.Thread(target=self._sweep_strays, name="sglang-l3-sweep", daemon=True)
+            self._sweeper.start()
         logger.info(
             "sglang-l3 store at %s (model %s, shard %s): odirect=%s durability=%s threads=%d "
             "cap/rank=%s min_free=%s",
@@ -137,43 +139,32 @@ class PageStore:
 
     # ------------------------------------------------------------- start-up
     def _cleanup_tmp(self) -> None:
-        """Leftovers of writers that died (kill -9, crash). Tmp names start with
-        the writer's pid, so a live writer's (another rank's) files are kept."""
-        now = time.time()
-        for name in os.listdir(self.tmp_dir):
-            path = os.path.join(self.tmp_dir, name)
-            try:
-                pid = int(name.split("-", 1)[0])
-            except ValueError:
-                pid = -1
-            try:
-                old = now - os.lstat(path).st_mtime > _TMP_MAX_AGE_S
-                if pid == os.getpid() or pid <= 0 or not _pid_alive(pid) or old:
-                    os.unlink(path)
-                    self.counters.inc("tmp_cleaned")
-            except OSError:
-                pass
+        """Leftovers of writers that died (kill -9, crash); a live writer's
+        (another rank's, another server's) are kept (writers.sweep_tmp)."""
+        try:
+            n, _ = writers.sweep_tmp(self.dirs)
+        except OSError as e:
+            logger.warning("sglang-l3 store: tmp cleanup failed: %s", e)
+            return
+        if n:
+            self.counters.inc("tmp_cleaned", n)
 
     def _write_manifest(self) -> None:
-        path = self.root / "models" / f"{self.mid}.json"
-        body = json.dumps({"mid": self.mid, "identity": self.model.as_dict()}, sort_keys=True, indent=1)
+        name = f"{self.mid}.json"
+        body = json.dumps({"mid": self.mid, "identity": self.model.as_dict()}, sort_keys=True, indent=1).encode()
         try:
-            if path.exists() and path.read_text() == body:
+            if self.dirs.read_file("models", name) == body:
                 return
-            tmp = self.root / "tmp" / f"{os.getpid()}-manifest-{self.mid}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(body)
-            os.replace(tmp, path)
+            self.dirs.replace_file("models", name, body)
         except OSError as e:  # informational only (CLI names models with it)
-            logger.warning("sglang-l3 store: cannot write model manifest %s: %s", path, e)
+            logger.warning("sglang-l3 store: cannot write model manifest %s: %s", self.dirs.path("models", name), e)
 
     def _probe_odirect(self, mode: str) -> bool:
         if mode == "off" or not hasattr(os, "O_DIRECT"):
             return False
-        probe = os.path.join(self.tmp_dir, f"{os.getpid()}-odirect-probe.tmp")
+        probe = f"{os.getpid()}-odirect-probe.tmp"
         try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+            fd = self.dirs.open_file("tmp", probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
             os.close(fd)
             return True
         except OSError as e:
@@ -181,25 +172,23 @@ class PageStore:
                 logger.warning("sglang-l3 store: odirect=on but %s refuses O_DIRECT (%s)", self.root, e)
             return False
         finally:
-            try:
-                os.unlink(probe)
-            except OSError:
-                pass
+            self.dirs.remove("tmp", probe)
 
     def _sweep_strays(self) -> None:
-        """Files in pages/ that are not pages (and not fresh) go to quarantine."""
+        """Files in pages/ that are not pages (and not fresh) go to quarantine,
+        and so does anything at a page's name that is not a regular file of ours."""
         try:
             now = time.time()
-            with os.scandir(self.pages_dir) as it:
-                for e in it:
-                    if parse_page_name(e.name) is not None:
-                        continue
-                    try:
-                        if now - e.stat(follow_symlinks=False).st_mtime < _STRAY_MIN_AGE_S:
-                            continue
-                    except OSError:
-                        continue
-                    self.quarantine(e.path, "stray")
+            for name in os.listdir(self.dirs.fd("pages")):
+                kind, st = self.dirs.classify("pages", name)
+                if st is None:
+                    continue
+                if parse_page_name(name) is not None:
+                    if kind != "file":
+                        self.quarantine(os.path.join(self.pages_dir, name), kind, (st.st_dev, st.st_ino))
+                    continue
+                if now - st.st_mtime >= _STRAY_MIN_AGE_S:
+                    self.quarantine(os.path.join(self.pages_dir, name), "stray", (st.st_dev, st.st_ino))
         except Exception as ex:  # background hygiene; never fatal
             logger.warning("sglang-l3 store: stray sweep failed: %s", ex)
 
@@ -232,14 +221,18 @@ class PageStore:
                 self.counters.inc("invalid_keys")
                 out.append(False)
                 continue
-            path = self.path_of(key, spec)
-            try:
-                st = os.stat(path)
+            name = self.page_name(key, spec).filename
+            try:  # lstat relative to the opened pages/: a link is damage, never followed
+                kind, st = self.dirs.classify("pages", name)
             except OSError:
                 out.append(False)
                 continue
-            if not stat.S_ISREG(st.st_mode) or st.st_size != spec.file_len:
-                self.quarantine(path, "size", (st.st_dev, st.st_ino))
+            if st is None:
+                out.append(False)
+                continue
+            if kind != "file" or st.st_size != spec.file_len:
+                self.quarantine(os.path.join(self.pages_dir, name), "size" if kind == "file" else kind,
+                                (st.st_dev, st.st_ino))
                 out.append(False)
                 continue
             out.append(True)
@@ -330,19 +323,8 @@ class PageStore:
             if owned:
                 admit = (lambda stem, n, k: lambda: self.evictor.reserve(stem, n, key=k))(
                     name.stem, it.spec.file_len, it.key)
-            meta = {
-                "key": it.key,
-                "pool": it.spec.layout.pool,
-                "mid": self.mid,
-                "shard": name.shard,
-                "pool_digest": it.spec.digest,
-                "model": self.model.as_dict(),
-                "pool_layout": it.spec.layout.as_dict(),
-                "prior": it.prior,
-                "depth": it.depth,
-                "checksum": CHECKSUM_NAME,
-                "created": round(time.time(), 3),
-            }
+            meta = dict(self._page_meta(it.spec, name.shard), key=it.key, prior=it.prior, depth=it.depth,
+                        created=round(time.time(), 3))
             jobs.append(WriteJob(path, it.runs, it.spec.payload_len, meta, admit))
             where.append((i, name, owned))
         t0 = time.perf_counter()
@@ -377,22 +359,44 @@ class PageStore:
             out[i] = out[j]
         return out
 
+    def _page_meta(self, spec: PoolSpec, shard: str) -> dict:
+        """The header fields shared by every page of a pool (built once: the
+        identity dicts cost more per page than the IO bookkeeping)."""
+        m = self._static_meta.get((spec.digest, shard))
+        if m is None:
+            m = {
+                "pool": spec.layout.pool,
+                "mid": self.mid,
+                "shard": shard,
+                "pool_digest": spec.digest,
+                "model": self.model.as_dict(),
+                "pool_layout": spec.layout.as_dict(),
+                "checksum": CHECKSUM_NAME,
+            }
+            self._static_meta[(spec.digest, shard)] = m
+        return m
+
     # ----------------------------------------------------------- quarantine
     def quarantine(self, path: str, reason: str, file_id: Optional[tuple[int, int]] = None) -> bool:
         """Move a bad file aside (kept for inspection, bounded in size)."""
+        # Relative to the opened pages/ and quarantine/, by name: a link is moved
+        # (or removed) itself, its target is never touched.
         base = os.path.basename(path)
+        pfd, qfd = self.dirs.fd("pages"), self.dirs.fd("quarantine")
         try:
-            st = os.lstat(path)
+            st = os.stat(base, dir_fd=pfd, follow_symlinks=False)
             if file_id is not None and (st.st_dev, st.st_ino) != file_id:
                 return False  # replaced by a fresh write since we looked
-            dest = os.path.join(self.quarantine_dir, f"{time.time_ns()}-{reason}-{base}")
-            os.rename(path, dest)
+            os.rename(base, f"{time.time_ns()}-{reason}-{base}", src_dir_fd=pfd, dst_dir_fd=qfd)
         except FileNotFoundError:
             return False
         except OSError as e:
             logger.warning("sglang-l3 store: cannot quarantine %s: %s; removing it", path, e)
             try:
-                os.unlink(path)
+                if stat.S_ISDIR(os.stat(base, dir_fd=pfd, follow_symlinks=False).st_mode):
+                    shutil.rmtree(base, dir_fd=pfd)
+                else:
+                    os.unlink(base, dir_fd=pfd)
             except OSError:
                 return False
         self.counters.inc("quarantined")
@@ -406,19 +410,23 @@ class PageStore:
     def _bound_quarantine(self) -> None:
         with self._qlock:
             try:
+                qfd = self.dirs.fd("quarantine")
                 entries = []
-                with os.scandir(self.quarantine_dir) as it:
-                    for e in it:
-                        try:
-                            entries.append((e.name, e.stat(follow_symlinks=False).st_size, e.path))
-                        except OSError:
-                            pass
+                for name in os.listdir(qfd):
+                    try:
+                        st = os.stat(name, dir_fd=qfd, follow_symlinks=False)
+                    except OSError:
+                        continue
+                    entries.append((name, st.st_size if stat.S_ISREG(st.st_mode) else 0,
+                                    stat.S_ISDIR(st.st_mode)))
                 entries.sort()  # names start with a timestamp: oldest first
                 total = sum(s for _, s, _ in entries)
-                for _, size, p in entries:
+                for name, size, is_dir in entries:
                     if total <= self.settings.quarantine_max_bytes:
                         break
-                    os.unlink(p)
+                    if is_dir:
+                        continue  # a directory planted at a page name: no bytes of ours to bound
+                    os.unlink(name, dir_fd=qfd)
                     total -= size
             except OSError as e:
                 logger.warning("sglang-l3 store: quarantine trim failed: %s", e)
@@ -445,6 +453,12 @@ class PageStore:
     def close(self) -> None:
         self.sessions.close_registry()
         self.engine.close()
+        if self._sweeper is not None:
+            self._sweeper.join(timeout=60)
+            if self._sweeper.is_alive():
+                return  # keep the descriptors: the sweep still uses them
+        writers.release_writer_lock(self.dirs)
+        self.dirs.close()
 
 
 __all__ = ["PageStore", "PoolSpec", "ReadItem", "WriteItem"]
