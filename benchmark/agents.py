@@ -70,7 +70,10 @@ def _config(args: argparse.Namespace, store: Path, **extra) -> ServerConfig:
         page_size=PAGE,
         storage_extra=extra,
         env={"SGLANG_L3_DISABLE": args.disable} if args.disable else {},
-        extra_args=["--hicache-ratio", "1.2"],  # no auto-sizing (refused on a busy host)
+        extra_args=[
+            "--hicache-ratio",
+            "1.2",
+        ],  # no auto-sizing (refused on a busy host)
     )
 
 
@@ -118,7 +121,9 @@ def agents_run(
                 )  # a one-off prompt, no session
             if i + 1 < len(order):
                 nxt = order[i + 1][1]
-                if hints:
+                if (
+                    hints and order[i + 1][0] >= 1
+                ):  # the next speaker has a context to stage
                     h = s.post_json(
                         "/sglang_l3/prefetch", {"session_id": f"agent-{nxt}"}
                     )
