@@ -5,28 +5,66 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 STAMP   := $(VENV)/.sglang-l3-installed
 SUITE   ?= cpu
+# the one source of the upstream pin: sglang_l3.SGLANG_PIN
+SGLANG_PIN := $(shell sed -n 's/^SGLANG_PIN = "\(.*\)"/\1/p' python/sglang_l3/__init__.py)
 # JIT-built torch extensions (HiCache's page hash) per venv: a build shared
 # between venvs is rebuilt on each switch, inside a serving thread.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
-.PHONY: install test test-upstream demo demo-stack demo-server bench soak doctor
+# Mooncake (the distributed L3, docs/distributed.md): its wheel + the Debian
+# libraries it loads. MOONCAKE=0 skips it (the Mooncake tests then skip, saying why).
+MOONCAKE      ?= 1
+MOONCAKE_PKG  := mooncake-transfer-engine-non-cuda==0.3.13.post1
+MOONCAKE_DEBS := libibverbs1 libnuma1 libcurl4
+MC_STAMP      := $(VENV)/.mooncake-installed
 
-install: $(STAMP)
+.PHONY: install install-mooncake lint test test-fast test-upstream demo demo-stack demo-server bench soak doctor
+
+install: $(STAMP) $(if $(filter 1,$(MOONCAKE)),$(MC_STAMP))
+
+install-mooncake: $(MC_STAMP)
+
+$(MC_STAMP): $(STAMP)
+	@missing=""; for p in $(MOONCAKE_DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo -n"; fi; \
+	  echo "installing Debian packages for Mooncake:$$missing"; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$missing \
+	    || { echo "cannot install$$missing (needs apt-get and root); install them, or run with MOONCAKE=0"; exit 1; }; \
+	fi
+	$(PIP) install -q $(MOONCAKE_PKG)
+	$(PY) -c "import mooncake.store"
+	touch $(MC_STAMP)
 
 $(STAMP): pyproject.toml requirements/cpu.txt
+	@echo "sglang-l3: installing into $(VENV): torch 2.14.1 (PyPI's Linux wheel brings the CUDA"
+	@echo "  libraries even on a CPU machine), sglang $(SGLANG_PIN) without its dependencies, the pinned"
+	@echo "  CPU stack (requirements/cpu.txt) and this package: about 6.5 GB on disk, 5-10 minutes."
 	test -x $(PY) || $(PY_BOOT) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
-	$(PIP) install -q --no-deps sglang==0.5.23
-	$(PIP) install -q -r requirements/cpu.txt
+	$(PIP) install -q --no-deps sglang==$(SGLANG_PIN)
+	@# pip's resolver then lists sglang's undeclared GPU dependencies as an ERROR block: expected
+	@# after --no-deps; kept in a log, shown in full only when pip itself fails.
+	$(PIP) install -q -r requirements/cpu.txt 2> $(VENV)/pip-requirements.log || { cat $(VENV)/pip-requirements.log; exit 1; }
+	@! grep -q "dependency resolver" $(VENV)/pip-requirements.log || echo "  note: pip lists sglang's GPU-only dependencies as missing; expected (sglang is installed --no-deps, the CPU stack needs none of them). Details: $(VENV)/pip-requirements.log"
 	$(PIP) install -q --no-deps -e .
 	$(PY) -c "import sglang_l3.plugin, sglang.srt.mem_cache.unified_radix_cache"
 	# HiCache's C++ page-hash extension is JIT-built on first use; build it once here.
 	$(PY) -c "from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module as b; b()"
 	touch $(STAMP)
 
+# ruff settings: [tool.ruff] in pyproject.toml
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
 test: install
-	$(PY) test/run_suite.py --suite $(SUITE)
+	SGLANG_L3_REQUIRE_MOONCAKE=$(MOONCAKE) $(PY) test/run_suite.py --suite $(SUITE)
+
+# unit + integration, minus tests marked slow or aot (no servers, no upstream kits): day-to-day work; CI runs `make test`
+test-fast: install
+	$(PY) test/run_suite.py --suite fast
 
 test-upstream: install
 	$(PY) test/run_suite.py --suite upstream

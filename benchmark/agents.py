@@ -68,12 +68,8 @@ def _config(args: argparse.Namespace, store: Path, **extra) -> ServerConfig:
         chunked_prefill_size=256,
         prefetch_threshold=PAGE,
         page_size=PAGE,
-        storage_extra=extra,
+        storage_extra_config=extra,
         env={"SGLANG_L3_DISABLE": args.disable} if args.disable else {},
-        extra_args=[
-            "--hicache-ratio",
-            "1.2",
-        ],  # no auto-sizing (refused on a busy host)
     )
 
 
@@ -82,10 +78,7 @@ def _wait_hint(s: Server, hint_id: str, timeout: float) -> None:
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (
-            json.loads(s._request("GET", f"/sglang_l3/prefetch/{hint_id}"))["state"]
-            != "staging"
-        ):
+        if json.loads(s._request("GET", f"/sglang_l3/prefetch/{hint_id}"))["state"] != "staging":
             return
         time.sleep(0.05)
 
@@ -103,9 +96,7 @@ def agents_run(
     run = Run(label)
     histories = {a: prompt(1000 + a, args.context) for a in range(args.agents)}
     order = [(t, a) for t in range(args.turns) for a in range(args.agents)]
-    with Server(
-        _config(args, store, **extra), log_dir / f"{label}.log", startup_timeout=900
-    ) as s:
+    with Server(_config(args, store, **extra), log_dir / f"{label}.log", startup_timeout=900) as s:
         for i, (t, a) in enumerate(order):
             ids = histories[a] + prompt(10_000 * a + t, MESSAGE)
             g = s.generate(ids, NEW, extra={"session_id": f"agent-{a}"})
@@ -116,17 +107,11 @@ def agents_run(
                 run.device += g.cached_device
             run.turns += 1
             if noise:
-                s.generate(
-                    prompt(50_000 + i, args.context), NEW
-                )  # a one-off prompt, no session
+                s.generate(prompt(50_000 + i, args.context), NEW)  # a one-off prompt, no session
             if i + 1 < len(order):
                 nxt = order[i + 1][1]
-                if (
-                    hints and order[i + 1][0] >= 1
-                ):  # the next speaker has a context to stage
-                    h = s.post_json(
-                        "/sglang_l3/prefetch", {"session_id": f"agent-{nxt}"}
-                    )
+                if hints and order[i + 1][0] >= 1:  # the next speaker has a context to stage
+                    _, h = s.post("/sglang_l3/prefetch", {"session_id": f"agent-{nxt}"})
                     if args.think <= 0:
                         _wait_hint(s, h["hint_id"], 600)
                 time.sleep(max(args.think, 0.0))
@@ -137,12 +122,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--agents", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument(
-        "--context", type=int, default=400, help="first-turn context tokens per agent"
-    )
-    ap.add_argument(
-        "--pool", type=int, default=640, help="device pool tokens (about one context)"
-    )
+    ap.add_argument("--context", type=int, default=400, help="first-turn context tokens per agent")
+    ap.add_argument("--pool", type=int, default=640, help="device pool tokens (about one context)")
     ap.add_argument(
         "--think",
         type=float,
@@ -156,9 +137,7 @@ def main() -> int:
         help="byte cap of the capped runs, in agent contexts (default: agents)",
     )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument(
-        "--skip", default="", help="comma list of runs to skip: cold,hinted,capped"
-    )
+    ap.add_argument("--skip", default="", help="comma list of runs to skip: cold,hinted,capped")
     args = ap.parse_args()
     if args.agents < 4:
         ap.error("--agents must be >= 4")
@@ -173,21 +152,15 @@ def main() -> int:
     )
     runs: dict[str, Run] = {}
     if "cold" not in skip:
-        runs["cold"] = agents_run(
-            args, "cold", work / "cold", hints=False, noise=False, log_dir=work
-        )
+        runs["cold"] = agents_run(args, "cold", work / "cold", hints=False, noise=False, log_dir=work)
     if "hinted" not in skip:
-        runs["hinted"] = agents_run(
-            args, "hinted", work / "hinted", hints=True, noise=False, log_dir=work
-        )
+        runs["hinted"] = agents_run(args, "hinted", work / "hinted", hints=True, noise=False, log_dir=work)
     if "capped" not in skip:
         # one agent's context in bytes: the cold run's store / agents (or a probe)
         probe, n = work / "cold", args.agents
         if not (probe / "pages").is_dir():
             probe, n = work / "probe", 1
-            with Server(
-                _config(args, probe), work / "probe.log", startup_timeout=900
-            ) as s:
+            with Server(_config(args, probe), work / "probe.log", startup_timeout=900) as s:
                 s.generate(prompt(1000, args.context), NEW)
         per_context = sum(f.stat().st_size for f in (probe / "pages").iterdir()) / n
         cap = int(per_context * (args.cap_contexts or args.agents))
@@ -213,27 +186,13 @@ def main() -> int:
             min_free_bytes=0,
         )
         args.disable = ""
-        print(
-            f"capped runs: byte cap {cap / 2**20:.2f} MiB ({args.cap_contexts or args.agents} contexts)"
-        )
-    print(
-        f"{'run':10} {'turns>=2':>9} {'median TTFT ms':>15} {'L3 tokens':>10} {'device tokens':>14}"
-    )
+        print(f"capped runs: byte cap {cap / 2**20:.2f} MiB ({args.cap_contexts or args.agents} contexts)")
+    print(f"{'run':10} {'turns>=2':>9} {'median TTFT ms':>15} {'L3 tokens':>10} {'device tokens':>14}")
     for r in runs.values():
-        print(
-            f"{r.label:10} {len(r.ttft):9d} {r.median_ttft * 1e3:15.1f} {r.restored:10d} {r.device:14d}"
-        )
-    ratio = (
-        runs["hinted"].median_ttft / runs["cold"].median_ttft
-        if {"hinted", "cold"} <= runs.keys()
-        else float("nan")
-    )
+        print(f"{r.label:10} {len(r.ttft):9d} {r.median_ttft * 1e3:15.1f} {r.restored:10d} {r.device:14d}")
+    ratio = runs["hinted"].median_ttft / runs["cold"].median_ttft if {"hinted", "cold"} <= runs.keys() else float("nan")
     hit = (
-        (
-            runs["retained"].restored / runs["lru"].restored
-            if runs["lru"].restored
-            else float("inf")
-        )
+        (runs["retained"].restored / runs["lru"].restored if runs["lru"].restored else float("inf"))
         if {"retained", "lru"} <= runs.keys()
         else float("nan")
     )

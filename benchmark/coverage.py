@@ -26,7 +26,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-os.environ.setdefault("SGLANG_L3_TEST", "1")
+os.environ.setdefault("SGLANG_L3_PUBLISH_STATS", "0")
 
 
 @dataclass

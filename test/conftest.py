@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-os.environ.setdefault("SGLANG_L3_TEST", "1")
+# This process keeps its counters in memory (servers it starts publish theirs).
+os.environ.setdefault("SGLANG_L3_PUBLISH_STATS", "0")
 # One JIT build of HiCache's hash extension per venv, inherited by test servers
 # (a build dir shared between venvs is rebuilt on every switch).
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))

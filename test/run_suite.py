@@ -2,6 +2,7 @@
 
 Suites:
   cpu       everything that runs without a GPU (default; `make test`, CI)
+  fast      unit + integration, no GPU, nothing marked slow or aot (`make test-fast`)
   upstream  SGLang's own unified-radix-cache kits composed over every config,
             with every sglang-l3 patch applied
   gpu       GPU checks (CUDA or ROCm); skip cleanly without a GPU
@@ -20,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 SUITES: dict[str, list[str]] = {
     "cpu": ["unit", "integration", "upstream", "e2e", "-m", "not gpu and not rdna3"],
+    "fast": ["unit", "integration", "-m", "not gpu and not rdna3 and not slow and not aot"],
     "upstream": ["upstream"],
     "gpu": ["unit", "integration", "e2e", "gpu", "-m", "gpu"],
     "rdna3": ["unit", "gpu", "-m", "rdna3"],
@@ -46,6 +48,8 @@ def main() -> int:
             path = os.path.join(HERE, t)
             if os.path.isdir(path):
                 cmd.append(path)
+    if args.suite in ("cpu", "fast"):
+        cmd.append("--durations=15")  # the 15 slowest tests, after the summary
     cmd += args.pytest_args
     env = dict(os.environ)
     if args.without_patches:

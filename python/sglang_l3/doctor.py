@@ -100,11 +100,7 @@ def check_plugin() -> Check:
 def check_patches() -> Check:
     from sglang_l3.patches import framework
 
-    applied = framework.apply_all(strict=False)
-    # A later patch can apply an earlier one (cpu-serving enables cpu-host-pools),
-    # so report the final state of each, not the one seen in passing.
-    current = framework.status()
-    statuses = [current.get(s.spec.id, s) for s in applied]
+    statuses = framework.apply_all(strict=False)
     rows = [s.as_dict() for s in statuses]
     bad = [s for s in statuses if s.state in (framework.State.DRIFTED, framework.State.FAILED)]
     detail = ", ".join(f"{s.spec.id}: {s.state.value}" for s in statuses)
@@ -163,7 +159,7 @@ def stats() -> dict[str, Any]:
     plus this process's own."""
     from sglang_l3 import metrics
 
-    out: dict[str, Any] = dict(metrics.collect_published())
+    out: dict[str, Any] = dict(metrics.collect_published(exclude_pid=os.getpid()))
     for k, v in metrics.snapshot().items():
         out[k] = out.get(k, 0) + v
     return out
@@ -191,6 +187,8 @@ def render(ok: bool, checks: list[Check], as_json: bool) -> str:
             for p in c.data.get("patches", []):
                 fired = ", ".join(f"{k}×{v}" for k, v in p["fired"].items())
                 extra = f" — {p['detail']}" if p["detail"] else ""
+                if p.get("requires"):
+                    extra += f" (requires {', '.join(p['requires'])})"
                 lines.append(f"         - {p['id']:18s} {p['kind']:8s} {p['state']}{extra}" + (f" [{fired}]" if fired else ""))
         if c.name == "stats":
             for k, v in sorted(c.data.items()):

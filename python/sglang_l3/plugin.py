@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
+from sglang_l3 import envs
+
 logger = logging.getLogger("sglang_l3")
 _registered = False
 
@@ -25,8 +27,9 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    # A process SGLang loads us into publishes its counters for `doctor --stats`.
-    os.environ.setdefault("SGLANG_L3_PUBLISH_STATS", "0" if os.environ.get("SGLANG_L3_TEST") else "1")
+    # A process SGLang loads us into publishes its counters for `doctor --stats`
+    # (SGLANG_L3_PUBLISH_STATS=0 turns that off; the test session does).
+    os.environ.setdefault("SGLANG_L3_PUBLISH_STATS", "1")
     from sglang_l3.patches import framework
 
     try:
@@ -34,5 +37,5 @@ def register() -> None:
     except framework.PatchError as e:
         msg = f"sglang-l3: {e}"
         logger.error(msg)
-        if os.environ.get("SGLANG_L3_STRICT", "1") != "0":
+        if envs.value("SGLANG_L3_STRICT") != "0":
             raise SystemExit(msg) from e

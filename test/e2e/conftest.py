@@ -24,10 +24,13 @@ import pytest
 from l3_e2e import (
     CHUNKED_PREFILL,
     LARGE_POOL,
+    NEW_TOKENS,
     PAGE_SIZE,
     PREFETCH_THRESHOLD,
     SMALL_POOL,
     STARTUP_TIMEOUT,
+    P,
+    run_agents,
 )
 from sglang_l3.testing.server import Server, ServerConfig, warm_hicache_hash_extension
 
@@ -102,6 +105,24 @@ class Cluster:
             self._stopped_first = True
             self.restarted_server = self._start("restarted", SMALL_POOL)
         return self.restarted_server
+
+    def reference(self, key: str) -> Any:
+        """A first-server result a restart test compares against ("P": P computed
+        cold; "agents": the interleaved agents on the large pool). Taken from the
+        test that recorded it or, when that test did not run (a restart test run
+        alone), computed here before the restart. Never a skip: a restart test
+        without its reference fails."""
+        if key not in self.results:
+            if self._stopped_first:
+                pytest.fail(f"reference {key!r} was not recorded before the first server stopped")
+            s = self.first()
+            s.flush_cache()
+            if "P" not in self.results:
+                self.results["P"] = s.generate(P, NEW_TOKENS)
+            if "agents" not in self.results:
+                s.flush_cache()
+                self.results["agents"] = run_agents(s)
+        return self.results[key]
 
     def stop(self) -> None:
         for s in (self.first_server, self.restarted_server):

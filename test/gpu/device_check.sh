@@ -1,88 +1,124 @@
 #!/usr/bin/env bash
-# GPU variant of the server e2e tests (test/e2e, marker `gpu`) on a fresh, bare
-# machine with one NVIDIA GPU (sized for one H200, 8 minutes in all) and the
-# repository copied to the current directory.
+# GPU checks of sglang-l3 on a lent, bare GPU machine (one NVIDIA H200 here;
+# Python 3.12 with its own torch/Triton; no package index), the repository
+# copied to the current directory. Finishes in < 8 minutes.
+# With >= 2 GPUs and a runnable sglang 0.5.23, step 4 also runs the TP=2 server tests.
 #
-#   bash test/gpu/device_check.sh            # from the repository root
+#   bash test/gpu/device_check.sh            # on the GPU machine, from the repo root
+#   bash test/gpu/device_check.sh --dry-run  # anywhere: checks the script's logic
 #
-# Best effort, by necessity:
-# - The device machine reaches no package index. What is not on its image has to
-#   travel with the repository as wheels in ./.whl (git-ignored; see
-#   /work/.library/device/README.md for `pip download --platform ...`), and one
-#   call carries at most 64 MiB. sglang==0.5.23 itself is small, but its GPU
-#   runtime (sgl-kernel, and torch 2.14.1 which 0.5.23 pins) is hundreds of MiB:
-#   when the image's torch/Triton cannot run sglang 0.5.23 the check stops at
-#   step 2 with the reason instead of pretending.
-# - Nothing here needs the network at run time: the model is the packaged tiny
-#   Qwen3-Next with dummy weights, fed with input ids.
-# Output: the pytest summary and, on failure, the server log tails; $OUT/ (when
-# set) receives the logs.
+# What runs (torch + Triton only; sglang is not needed and not installed):
+#   1. the compiled GPTQ Triton kernel against the torch reference
+#      (test/gpu/gptq_check.py: 4-bit in every variant, 2/3/8-bit, fp16 + bf16,
+#      M in 1/16/40/130, each with its wrong-zero-format negative control)
+#   2. benchmark/gptq_bench.py for decode shapes M = 1, 2, 4, 8, 16 at K = N =
+#      4096 and 8192: every usable kernel timed side by side with fp16 dense
+#      torch.matmul in the same run (the "/ dense" column is the ratio)
+# Wheels a step needs beyond the image (none so far) travel in ./.whl (git-ignored)
+# and are installed offline into $SITE. Results: $OUT (or /tmp/sglang-l3-device-check):
+# device_check.log, env.txt, gptq_check.json, gptq_bench.txt, gptq_bench.json.
+# Exit: 0 all good; 1 a kernel mismatch; 2 no GPU; 3 setup failed; 4 out of time.
 set -uo pipefail
+DRY=0
+[[ ${1:-} == --dry-run ]] && DRY=1
 START=$(date +%s)
-BUDGET=${DEVICE_CHECK_BUDGET_S:-470}   # 8 min minus margin
+BUDGET=${DEVICE_CHECK_BUDGET_S:-450}   # < 8 min with margin
 PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/sglang-l3-site}
 OUT_DIR=${OUT:-/tmp/sglang-l3-device-check}
 mkdir -p "$OUT_DIR" "$SITE"
+exec > >(tee -a "$OUT_DIR/device_check.log") 2>&1
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 say() { echo "[device_check +$(( $(date +%s) - START ))s] $*"; }
-
-# 1. GPU present?
-if ! "$PY" -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    say "no CUDA device visible to $PY's torch: nothing to check"; exit 2
-fi
-"$PY" -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
-
-# 2. packages: carried wheels first (offline), then whatever an index offers
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# the one source of the upstream pin: sglang_l3.SGLANG_PIN (reported, not needed here)
+PIN=$(sed -n 's/^SGLANG_PIN = "\(.*\)"/\1/p' python/sglang_l3/__init__.py)
+[[ -n $PIN && -f test/gpu/gptq_check.py && -f benchmark/gptq_bench.py ]] \
+    || { say "run from the repository root"; exit 3; }
+export PYTHONPATH="$SITE:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+RC=0
+
+# 0. environment
+"$PY" - > "$OUT_DIR/env.txt" 2>&1 <<PYEOF
+import platform, sys
+print("python", platform.python_version(), sys.executable)
+try:
+    import torch
+    print("torch", torch.__version__, "cuda", torch.version.cuda, "hip", torch.version.hip)
+    print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
+except Exception as e:
+    print("torch missing:", e)
+try:
+    import triton
+    print("triton", triton.__version__)
+except Exception as e:
+    print("triton missing:", e)
+print("sglang pin (not needed here)", "$PIN")
+PYEOF
+cat "$OUT_DIR/env.txt"
+
+# 1. carried wheels (offline), then torch + Triton + a GPU
 if compgen -G ".whl/*.whl" >/dev/null; then
     say "installing carried wheels from .whl/ into $SITE"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" .whl/*.whl || { say "wheel install failed"; exit 3; }
+    if (( DRY )); then say "(dry run: not installing)"
+    else "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" .whl/*.whl || { say "wheel install failed"; exit 3; }; fi
 fi
-if ! "$PY" -c 'import sglang' 2>/dev/null; then
-    say "sglang not importable; trying an index (fails fast offline)"
-    timeout 120 "$PY" -m pip install -q --no-deps --target "$SITE" --timeout 10 --retries 0 \
-        sglang==0.5.23 || true
-fi
-if ! "$PY" - <<'EOF'
-import sys
-try:
-    import sglang
-    from sglang.srt.layers.attention.linear import gdn_backend  # noqa: F401  (Triton GDN path)
-    import sglang.srt.entrypoints.http_server  # noqa: F401
-except Exception as e:  # noqa: BLE001
-    print(f"sglang cannot run here: {type(e).__name__}: {e}")
-    sys.exit(1)
-if sglang.__version__ != "0.5.23":
-    print(f"sglang {sglang.__version__} found; this repository pins 0.5.23")
-    sys.exit(1)
-print("sglang", sglang.__version__)
-EOF
-then
-    say "sglang 0.5.23 with its GPU runtime is not available on this machine (carry it in .whl/)"
-    exit 3
+"$PY" -c 'import torch, triton' || { say "torch and triton must be importable by $PY"; exit 3; }
+if (( ! DRY )) && ! "$PY" -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    say "no GPU visible to $PY's torch: nothing to check"; exit 2
 fi
 
-# 3. this package (editable: registers the sglang.srt.plugins entry point)
-"$PY" -m pip install -q --no-deps --no-build-isolation --no-index --target "$SITE" . \
-    || { say "installing sglang-l3 failed"; exit 3; }
-"$PY" -c 'import sglang_l3.plugin, pytest' || { say "sglang_l3 or pytest not importable"; exit 3; }
+# 2. the compiled Triton kernel against the reference
+T=$(( $(left) / 2 ))
+say "GPTQ Triton kernel vs reference (limit ${T}s)"
+GC_ARGS=(--json "$OUT_DIR/gptq_check.json" --deadline-s $(( T - 30 )))
+(( DRY )) && GC_ARGS+=(--dry-run)
+timeout --kill-after=10 "$T" "$PY" test/gpu/gptq_check.py "${GC_ARGS[@]}"
+GC=$?
+case $GC in
+    0) say "gptq_check: all match" ;;
+    124|137) say "gptq_check: out of time"; RC=4 ;;
+    *) say "gptq_check: FAILED (rc=$GC)"; RC=1 ;;
+esac
 
-# 4. the C++ page-hash extension HiCache builds on first use (see
-#    sglang_l3.testing.server.warm_hicache_hash_extension), built up front
-timeout 120 "$PY" -c 'from sglang_l3.testing.server import warm_hicache_hash_extension as w; w()' \
-    || say "warning: could not pre-build the hash extension"
-
-# 5. the GPU e2e variants, in what is left of the budget
-T=$(left)
-if (( T < 120 )); then say "only ${T}s left: not starting servers"; exit 4; fi
-say "running test/e2e -m 'e2e and gpu' (limit ${T}s)"
-SGLANG_L3_E2E_STARTUP_TIMEOUT=$(( T / 3 )) timeout --kill-after=20 "$T" \
-    "$PY" -m pytest -q -p no:cacheprovider -m "e2e and gpu" test/e2e \
-    --basetemp "$OUT_DIR/pytest" -rA 2>&1 | tee "$OUT_DIR/pytest.log"
-RC=${PIPESTATUS[0]}
-for f in "$OUT_DIR"/pytest/*/*.log; do [[ -f $f ]] && cp "$f" "$OUT_DIR/$(basename "$(dirname "$f")")-$(basename "$f")"; done
-say "done, rc=$RC"
+# 3. the decode-shape benchmark, ratio to fp16 dense torch.matmul
+T=$(( $(left) - 10 ))
+if (( T < 60 )); then say "only ${T}s left: benchmark skipped"; exit 4; fi
+say "benchmark/gptq_bench.py, M = 1..16 (limit ${T}s)"
+BENCH=(benchmark/gptq_bench.py --ms 1 2 4 8 16 --sizes 4096 8192 --iters 100 --json "$OUT_DIR/gptq_bench.json")
+timeout --kill-after=10 "$T" "$PY" "${BENCH[@]}" 2>&1 | tee "$OUT_DIR/gptq_bench.txt"
+GB=${PIPESTATUS[0]}
+case $GB in
+    0) say "gptq_bench: done" ;;
+    124|137) say "gptq_bench: out of time"; RC=4 ;;
+    *) say "gptq_bench: a kernel did not match the reference (rc=$GB)"; RC=1 ;;
+esac
+# 4. TP=2 variants (test/e2e/test_tp2_l3.py on CUDA: P -> flush -> P vs a no-cache
+#    TP=2 server, asymmetric damage to one rank's pages, write failure, abort,
+#    restart, verify mode catching an injected rank disagreement). Needs >= 2 GPUs
+#    and sglang 0.5.23 with its GPU runtime (carried in .whl/); skipped cleanly else.
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if (( DRY )); then
+    say "dry run: TP=2 variants would need >= 2 GPUs (${NGPU} visible) and sglang $PIN"
+elif (( NGPU < 2 )); then
+    say "TP=2 variants skipped: ${NGPU} GPU(s) visible, TP=2 needs 2"
+elif ! "$PY" -c "import sglang, sys; sys.exit(0 if sglang.__version__ == '$PIN' else 1)" 2>/dev/null; then
+    say "TP=2 variants skipped: sglang $PIN is not importable here (carry it in .whl/)"
+else
+    T=$(( $(left) - 10 ))
+    if (( T < 180 )); then
+        say "TP=2 variants skipped: only ${T}s left"
+    else
+        say "running the TP=2 variants on ${NGPU} GPUs (limit ${T}s)"
+        SGLANG_L3_E2E_TP2_DEVICE=cuda SGLANG_L3_E2E_STARTUP_TIMEOUT=$(( T / 5 )) \
+            timeout --kill-after=20 "$T" "$PY" -m pytest -q -p no:cacheprovider \
+            test/e2e/test_tp2_l3.py --basetemp "$OUT_DIR/pytest-tp2" -rA 2>&1 \
+            | tee "$OUT_DIR/pytest-tp2.log"
+        RC2=${PIPESTATUS[0]}
+        (( RC == 0 )) && RC=$RC2
+    fi
+fi
+(( DRY )) && say "dry run: logic checked (no kernel launched, nothing timed)"
+say "done, rc=$RC (results in $OUT_DIR)"
 exit "$RC"

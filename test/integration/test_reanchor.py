@@ -10,7 +10,6 @@ rows, host staging) is back to its baseline once requests finish.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.buffer_mode.pipeline import BufferModePipeline

@@ -18,7 +18,7 @@ import pytest
 from sglang_l3 import metrics
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
-from sglang_l3.storage import metrics as store_metrics
+from sglang_l3.metrics import store_counters
 
 import torch
 
@@ -77,6 +77,20 @@ def test_branch_point_lost_without_patch(tmp_path, core: str, without) -> None:
     assert restored == 0  # upstream 0.5.23: KV for [0,256) is in L3, its state is not
 
 
+def test_walk_set_never_outlives_its_insert(tmp_path, core: str) -> None:
+    """The walk set captured at end_insert_walk is consumed by the same insert on
+    every path, including the early returns (state already there, no state given),
+    so no later insert can read a stale one."""
+    from sglang_l3.patches.branch_backup import _LAST_WALK_ATTR
+
+    spec = HybridSpec(page_size=4, kv_size=2048)
+    with L3Stack(spec, str(tmp_path), tree_core=core) as st:
+        pipe = st.cache.buffer_pipeline
+        for i, seq in enumerate((A24, A24, B24, T16)):  # i=1: mamba_exist -> early return
+            st.write(seq)
+            assert vars(pipe).get(_LAST_WALK_ATTR) is None, f"walk set left behind by insert {i} ({len(seq)} tokens)"
+
+
 # --- the same holes at the cache level, page size 4 ------------------------ #
 T16 = list(range(1, 17))
 A24, B24, C20 = T16 + list(range(100, 108)), T16 + list(range(200, 208)), T16 + [300, 301, 302, 303]
@@ -124,16 +138,16 @@ def test_truncated_state_costs_only_its_pages(tmp_path, core: str) -> None:
     size = os.path.getsize(path)
     with open(path, "r+b") as f:
         f.truncate(size // 2)
-    c0 = store_metrics.counters()
+    c0 = store_counters()
     with L3Stack(spec, str(tmp_path), tree_core=core) as fresh:
         _, loaded = fresh.prefetch(seq + [900, 901, 902, 903], "partial")
         assert loaded == 24
-        c1 = store_metrics.counters()
+        c1 = store_counters()
         assert c1.get("quarantined_size", 0) == c0.get("quarantined_size", 0) + 1
         assert not os.path.exists(path)
         fresh.write(seq)  # the prefix recomputed and written again
         assert os.path.getsize(path) == size
-        assert store_metrics.counters().get("write_ok", 0) > c1.get("write_ok", 0)
+        assert store_counters().get("write_ok", 0) > c1.get("write_ok", 0)
     with L3Stack(spec, str(tmp_path), tree_core=core) as again:
         assert again.prefetch(seq + [900, 901, 902, 903], "full")[1] == 32
 

@@ -24,3 +24,6 @@ def apply(ctx) -> None:
     ctx.around("fake_patch_target:Greeter.hello", lambda orig, self, name: orig(self, name) + "!")
     ctx.after("fake_patch_target:Greeter.shout", lambda result, text: result + "?")
     ctx.around("fake_patch_target:Greeter.make", lambda orig, cls: orig(cls))
+
+
+REGISTRY: dict[str, str] = {}

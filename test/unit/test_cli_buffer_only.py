@@ -95,7 +95,7 @@ def test_negative_control_patch_disabled_rejects_choice() -> None:
 def test_real_launcher_help_through_the_plugin(disabled: bool) -> None:
     """`python -m sglang.launch_server --help` loads our plugin via its entry point."""
     env = dict(os.environ)
-    env.pop("SGLANG_L3_CPU", None)
+    env.pop("SGLANG_L3_CPU_SERVING", None)
     if disabled:
         env["SGLANG_L3_DISABLE"] = "cli-buffer-only"
     out = subprocess.run(

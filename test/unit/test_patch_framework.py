@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import fake_patch_target as fpt
@@ -11,12 +15,14 @@ from sglang_l3.patches.framework import PatchError, PatchSpec, State, TargetSpec
 TARGETS = ("fake_patch_target:Greeter.hello", "fake_patch_target:Greeter.shout", "fake_patch_target:Greeter.make")
 
 
-def _spec(pid: str, fingerprints: dict[str, str] | None = None, targets=TARGETS) -> PatchSpec:
+def _spec(pid: str, fingerprints: dict[str, str] | None = None, targets=TARGETS, kind: str = "AROUND+AFTER",
+          requires: tuple[str, ...] = ()) -> PatchSpec:
     fps = fingerprints or {}
     return PatchSpec(
         id=pid,
         module="fake_patch_target",
-        kind="AROUND",
+        kind=kind,
+        requires=requires,
         why="test",
         upstream=(),
         retire_when="never",
@@ -27,7 +33,7 @@ def _spec(pid: str, fingerprints: dict[str, str] | None = None, targets=TARGETS)
 @pytest.fixture
 def clean():
     yield
-    for pid in ("t-ok", "t-drift", "t-missing", "t-off"):
+    for pid in ("t-ok", "t-drift", "t-missing", "t-off", "t-kind", "t-reg", "t-needs"):
         framework.undo(pid)
 
 
@@ -88,7 +94,72 @@ def test_series_is_complete_and_matches_upstream() -> None:
     assert len(ids) == len(set(ids))
     for s in specs:
         assert s.why and s.retire_when and s.targets
-        for t in s.targets:
-            assert framework.fingerprint_path(t.path) == t.fingerprint or framework.is_applied(s.id), (
-                f"{s.id}: {t.path} drifted from the pinned upstream"
-            )
+    # Fingerprints are checked in a process that has applied nothing (this one has
+    # applied the queue, and in-place registry edits change what a target hashes to).
+    out = subprocess.run([sys.executable, "-m", "sglang_l3.patches.fingerprint"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, "targets drifted from the pinned upstream:\n" + "\n".join(
+        line for line in out.stdout.splitlines() if not line.startswith("ok"))
+    assert out.stdout.count("\nok") + out.stdout.startswith("ok") == sum(len(s.targets) for s in specs)
+
+
+def test_declared_kind_must_match_what_apply_installs(clean) -> None:
+    with pytest.raises(PatchError, match=r"t-kind.*declares kind AROUND, but apply\(\) installed AFTER\+AROUND"):
+        framework.apply_one(_spec("t-kind", kind="AROUND"))
+    assert framework.get_status("t-kind").state is State.FAILED
+    assert fpt.Greeter().hello("x") == "hello x", "a refused patch must change nothing"
+
+
+def _registry_spec() -> PatchSpec:
+    return PatchSpec("t-reg", "fake_patch_registry", "REGISTRY", "t", (), "n",
+                     (TargetSpec("fake_patch_target:REGISTRY", framework.fingerprint_path("fake_patch_target:REGISTRY")),))
+
+
+def test_requires_applies_the_required_patch_first(clean) -> None:
+    reg, needs = _registry_spec(), _spec("t-needs", requires=("t-reg",))
+    st = framework.apply_one(needs, [reg, needs])
+    assert st.state is State.APPLIED
+    assert framework.is_applied("t-reg") and fpt.REGISTRY == {"greeter": "fake"}
+    assert st.as_dict()["requires"] == ["t-reg"]
+    framework.undo("t-needs")
+    framework.undo("t-reg")
+    assert fpt.REGISTRY == {}
+
+
+def test_requires_a_patch_that_is_off_makes_it_not_applicable(clean, monkeypatch) -> None:
+    monkeypatch.setenv("SGLANG_L3_DISABLE", "t-reg")
+    reg, needs = _registry_spec(), _spec("t-needs", requires=("t-reg",))
+    out = framework.apply_all([reg, needs])
+    assert [s.state for s in out] == [State.DISABLED, State.NOT_APPLICABLE]
+    assert out[1].detail == "requires t-reg (disabled: SGLANG_L3_DISABLE)"
+    assert fpt.Greeter().hello("x") == "hello x"
+
+
+def test_series_requires_must_name_an_earlier_entry(tmp_path: Path) -> None:
+    entry = """
+[[patch]]
+id = "{id}"
+module = "m"
+kind = "AROUND"
+why = "w"
+retire_when = "r"
+requires = {req}
+[[patch.target]]
+path = "a:b"
+fingerprint = "sha256:0"
+"""
+    p = tmp_path / "series.toml"
+    p.write_text(entry.format(id="b", req='["a"]') + entry.format(id="a", req="[]"))
+    with pytest.raises(PatchError, match="'b' requires 'a', which is not an earlier entry"):
+        framework.load_series(p)
+    p.write_text(entry.format(id="a", req="[]") + entry.format(id="b", req='["a"]').replace(
+        'kind = "AROUND"', 'kind = ["REGISTRY", "AFTER"]'))
+    specs = framework.load_series(p)
+    assert specs[1].requires == ("a",) and specs[1].kinds == {"REGISTRY", "AFTER"}
+
+
+def test_pinned_series_declares_the_dependencies_and_kinds() -> None:
+    by_id = {s.id: s for s in framework.load_series()}
+    assert by_id["cpu-gdn-torch"].requires == ("cpu-host-pools",)
+    assert by_id["store-file"].kinds == {"REGISTRY", "AFTER"}
+    assert by_id["gptq-rocm"].kinds == {"REGISTRY", "AROUND"}

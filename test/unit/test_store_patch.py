@@ -33,7 +33,7 @@ def applied():
 
 def test_series_entry_targets_verify():
     spec = _spec()
-    assert spec.kind == "REGISTRY" and spec.group == "storage"
+    assert spec.kinds == {"REGISTRY", "AFTER"} and spec.group == "storage"
     assert framework.check_spec(spec) == {}, "upstream drifted from the fingerprints in series.toml"
 
 
@@ -42,7 +42,10 @@ def test_file_backend_is_ours(tmp_path, applied):
 
     be = _create(tmp_path)
     assert type(be) is L3FileStore and be.file_path == str(tmp_path / "s")
-    assert framework.get_status("store-file").fired.get("file_backend_loaded", 0) >= 1
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    entry = StorageBackendFactory._registry["file"]
+    assert (entry["module_path"], entry["class_name"]) == ("sglang_l3.storage.backend", "L3FileStore")
     be.close()
 
 

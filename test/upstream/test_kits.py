@@ -18,7 +18,6 @@ from sglang.test.kits.unified_radix_cache.config import define_config_test_class
 from sglang.test.kits.unified_radix_cache.fixtures import (
     build_fixture,
     match_prefix,
-    node_device_value,
     node_host_value,
 )
 from sglang.test.kits.unified_radix_cache.load_back import UnifiedRadixCacheLoadBackFixtures

@@ -1,15 +1,21 @@
-"""CPU support for the real cache stack (tests, `make demo`, CPU serving).
+"""CPU support for the real cache stack and for serving the tiny model without
+an accelerator (tests, `make demo`, the CPU server launcher).
 
-Never active in a process that has an accelerator: `enable()` refuses. It
-applies the `cpu-host-pools` patch (series.toml), which makes HiCache host pools
-work without a GPU driver: no host pinning/registration, and pure-torch ports
-of the `direct` transfer ops. Use io backend `direct` with layout
-`page_first_direct` (what upstream's own Mamba HiCache tests use).
+Activates only when asked: the environment switch `SGLANG_L3_CPU_SERVING=1`
+(what `sglang_l3.testing.server.Server` sets for its children) or `enable()`
+in this process before the patch queue is applied (`sglang_l3.plugin.register()`).
+Never merely because no accelerator is present, and never next to one:
+`enable()` refuses, and the patches that read the switch (`cpu-host-pools`,
+group `cpu-serving`) report "not applicable" there.
 """
 
 from __future__ import annotations
 
 import os
+
+from sglang_l3 import envs
+
+ENV_SWITCH = "SGLANG_L3_CPU_SERVING"
 
 
 class AcceleratorPresent(RuntimeError):
@@ -25,26 +31,32 @@ def accelerator_present() -> bool:
         return torch.cuda.is_available()
 
 
+def requested() -> bool:
+    """The switch is on in this process (children inherit it)."""
+    return envs.value(ENV_SWITCH) == "1"
+
+
+def not_applicable_reason() -> str | None:
+    """None when the CPU patches should apply here, else why not."""
+    if not requested():
+        return f"CPU serving not requested ({ENV_SWITCH}=1 or sglang_l3.cpu.enable())"
+    if accelerator_present():
+        return "an accelerator is present"
+    return None
+
+
 def enable() -> None:
-    """Apply the CPU shims in this process (idempotent)."""
+    """Turn the switch on for this process and its children (idempotent).
+
+    Call before the patch queue is applied (`sglang_l3.plugin.register()`);
+    the queue reads the switch when it decides what applies."""
     if accelerator_present():
         raise AcceleratorPresent(
             "sglang_l3.cpu.enable(): an accelerator is present; the CPU shims are "
             "for machines without one and are never activated next to a GPU"
         )
-    os.environ["SGLANG_L3_CPU"] = "1"
-    from sglang_l3.patches import framework
-
-    for spec in framework.load_series():
-        if spec.id == "cpu-host-pools":
-            st = framework.apply_one(spec)
-            if st.state != framework.State.APPLIED:
-                raise RuntimeError(f"cpu-host-pools not applied: {st.state.value} {st.detail}")
-            return
-    raise RuntimeError("series.toml has no 'cpu-host-pools' entry")
+    os.environ[ENV_SWITCH] = "1"
 
 
 def enabled() -> bool:
-    from sglang_l3.patches import framework
-
-    return framework.is_applied("cpu-host-pools")
+    return not_applicable_reason() is None

@@ -1,24 +1,13 @@
-"""Patch `branch-backup`: a Mamba state committed to a node in buffer-only mode reaches L3.
+"""Patch `branch-backup` (why: patches/series.toml): a Mamba state committed to a
+node in buffer-only mode reaches L3.
 
-In 0.5.23 the insert walk decides to back up a node it passes
-(`_finish_insert_walk_node`, unified_tree_core.py:1373) and the buffer pipeline
-snapshots which pools to write at that moment (`enqueue_backup_intent`,
-buffer_mode/pipeline.py:688-750). For a node that already exists — a branch
-point, or the parent a split creates — the Mamba state is committed only
-afterwards (`commit_insert_component_data`, components/mamba.py:244-250), so
-the intent holds KV only. The follow-up check after commit
-(`_should_backup_after_insert`, unified_tree_core.py:1441-1447) needs
-`node.backuped`, which buffer-only mode never sets. Result: KV of the prefix is
-in L3, its state is not, and the hybrid all-or-nothing prefetch restores 0
-tokens for any new conversation sharing only that prefix (#37613, residual).
-
-The fix sits above both tree cores (Rust default, Python): AROUND
-`UnifiedRadixCache.insert`. When the insert committed a Mamba state
-(`mamba_value` given and `result.mamba_exist` false) onto a node whose KV the
-write policy has already chosen for L3 — admitted by this insert's walk
-(captured at `end_insert_walk`) or believed stored/in flight — it asks
-upstream's own `enqueue_backup_intent` again, now that the state is there.
-Upstream skips pools already covered, so only the Mamba page is written.
+How: AROUND `UnifiedRadixCache.insert` (above both tree cores, Rust default and
+Python). When the insert committed a Mamba state (`mamba_value` given and
+`result.mamba_exist` false) onto a node whose KV the write policy has already
+chosen for L3 — admitted by this insert's walk (captured AROUND `end_insert_walk`)
+or believed stored/in flight — it calls upstream's own `enqueue_backup_intent`
+again, now that the state is there. Upstream skips pools already covered, so only
+the Mamba page is written.
 
 TP lockstep: every input to the decision (insert params, `mamba_exist`, the
 walk's admitted set, in-flight pools, the existence cache) is what upstream's
@@ -78,6 +67,9 @@ def backup_committed_state(cache: Any, node_id: Any, walk: Optional[set]) -> boo
 def _insert(original: Any, cache: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
     result = original(cache, params, *args, **kwargs)
     pipe = getattr(cache, "buffer_pipeline", None)
+    # This insert's walk set, taken on every path: a set left behind would be read
+    # by a later insert whose walk never reached end_insert_walk.
+    walk = vars(pipe).pop(_LAST_WALK_ATTR, None) if pipe is not None else None
     if (
         pipe is None
         or not cache.enable_storage
@@ -86,8 +78,6 @@ def _insert(original: Any, cache: Any, params: Any, *args: Any, **kwargs: Any) -
         or result.last_device_node is None
     ):
         return result
-    walk = getattr(pipe, _LAST_WALK_ATTR, None)
-    setattr(pipe, _LAST_WALK_ATTR, None)
     backup_committed_state(cache, result.last_device_node, walk)
     return result
 

@@ -1,17 +1,15 @@
-"""Patch `cli-buffer-only`: accept `--hicache-mem-layout buffer_only`.
+"""Patch `cli-buffer-only` (why: patches/series.toml): accept `--hicache-mem-layout buffer_only`.
 
-In 0.5.23 buffer-only is a host memory mode (`--hicache-host-memory-mode
-buffer_only`, arg_groups/fields/memory.py:102-108) and `--hicache-mem-layout`
-rejects `buffer_only` (memory.py:135-147). Our users' command line says
-`--hicache-mem-layout buffer_only`; it means:
+How: AROUND ServerArgs.add_cli_args the choice is added; AROUND from_cli_args and
+resolve_once it is translated to
 
 - host memory mode  buffer_only
-- layout            page_first_direct (Mamba host pools accept only
-                    page_first / page_first_direct, pool_host/mamba.py:103-106)
-- io backend        direct on ROCm (hipHostRegister-pinned memory faults with
-                    the `kernel` backend, upstream PR #38967); elsewhere too,
-                    since `kernel` cannot drive page_first_direct
-                    (hicache_hook.py:171-184 would switch it anyway).
+- layout            page_first_direct (the only layouts the Mamba host pools accept
+                    are page_first / page_first_direct)
+- io backend        direct on ROCm (hipHostRegister-pinned memory faults with the
+                    `kernel` backend, upstream PR #38967); elsewhere too, since
+                    `kernel` cannot drive page_first_direct (upstream's HiCache
+                    argument hook would switch it anyway).
 
 A contradiction with an explicit `--hicache-host-memory-mode cache`, or with an
 explicit `--hicache-io-backend kernel` on ROCm, is a startup error.

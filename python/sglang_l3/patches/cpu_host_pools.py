@@ -1,20 +1,17 @@
-"""Patch `cpu-host-pools`: HiCache host pools on a machine without a GPU driver.
+"""Patch `cpu-host-pools` (why: patches/series.toml): HiCache host pools on a
+machine without a GPU driver.
 
-Upstream defects worked around (0.5.23):
-- pool_host/common.py: ALLOC_MEMORY_FUNCS defaults to alloc_with_host_register,
-  which cudaHostRegister-s the buffer when pin_memory is set; no driver → fault.
-- pool_host/base.py HostKVCache stores `pin_memory` and passes it to
-  torch.empty(..., pin_memory=True) (e.g. mha.py get_dummy_flat_data_page).
-- pool_host/mha.py:60, mamba.py: the `direct` transfer ops are imported from
-  sgl_kernel only under CUDA/HIP; on CPU the names are unbound.
-Only applies when requested (SGLANG_L3_CPU=1, set by sglang_l3.cpu.enable())
-and no accelerator is present.
+How (REGISTRY edits, each undone by the context): ALLOC_MEMORY_FUNCS["cpu"]
+allocates unpinned; HostKVCache.pin_memory reads False (a data descriptor on the
+base class wins over the attribute the pools set); the torch ports of the
+`direct` transfer ops (sglang_l3.cpu.transfer_ops) are bound in the host-pool
+modules. Only applies when requested (SGLANG_L3_CPU_SERVING=1, or
+sglang_l3.cpu.enable()) and no accelerator is present.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
 from sglang_l3.patches.framework import PatchContext
@@ -23,13 +20,9 @@ _MISSING = object()
 
 
 def applicable() -> str | None:
-    if os.environ.get("SGLANG_L3_CPU") != "1":
-        return "CPU shims not requested (sglang_l3.cpu.enable() / SGLANG_L3_CPU=1)"
-    from sglang_l3.cpu import accelerator_present
+    from sglang_l3.cpu import not_applicable_reason
 
-    if accelerator_present():
-        return "an accelerator is present"
-    return None
+    return not_applicable_reason()
 
 
 def apply(ctx: PatchContext) -> None:

@@ -1,45 +1,30 @@
-"""Patch group `cpu-serving`: `python -m sglang.launch_server --device cpu` serves
-the packaged tiny Qwen3-Next (Gated-DeltaNet hybrid) on a host with no accelerator.
+"""Patch group `cpu-serving` (why: patches/series.toml, one entry per id):
+`python -m sglang.launch_server --device cpu` serves the packaged tiny Qwen3-Next
+(Gated-DeltaNet hybrid) on a host with no accelerator.
 
 One module, several series entries (each with its own kind and targets);
-`apply(ctx)` dispatches on `ctx.id`. Every entry is "not applicable" when an
-accelerator is present, so a GPU server is never touched. In a process that
-does not serve (a test calling apply_all() and driving the cache stack itself)
-the entries are inert: they replace kernels that cannot run on such a host
-anyway, and the hooks only act inside the constructors they wrap.
+`apply(ctx)` dispatches on `ctx.id`. Every entry applies only when asked
+(SGLANG_L3_CPU_SERVING=1 or sglang_l3.cpu.enable(): the demo, the tests, the CPU
+server launcher) and never next to an accelerator; cpu-gdn-torch `requires` the
+host-pool shims (patch cpu-host-pools), which the queue applies first.
 
-Upstream defects worked around (sglang 0.5.23, no accelerator, no sgl-kernel CPU build):
-
-- cpu-gdn-torch: the GDN backend binds Triton kernels at import
-  (layers/attention/linear/gdn_backend.py:6-15: fused_gdn_gating,
-  causal_conv1d_fn/update, TritonGDNKernel -> FLA chunk_gated_delta_rule /
-  fused_sigmoid_gating_delta_rule_update, kernels/gdn_triton.py:8-18), and the
-  extra_buffer track copies are Triton (hybrid_linear_attn_backend.py:12-17).
-  Triton kernels do not run on a CPU tensor (only under TRITON_INTERPRET=1, slow,
-  and bf16 tl.dot is wrong there); the in-tree CPU alternative (is_cpu(),
-  SGLANG_USE_CPU_ENGINE=1) needs sgl-kernel CPU ops that are not on PyPI.
-  Replaced by the torch ports in sglang_l3.cpu_serving. Also enables the
-  HiCache host-pool CPU shims (sglang_l3.cpu.enable(), patch cpu-host-pools).
-- cpu-qwen3next-ops: models/qwen3_next.py:12 binds the Triton
-  fused_qkvzba_split_reshape_cat (used at :455 unless is_cpu()), and the GDN
-  output norm FusedRMSNormGated.forward (fla/fused_norm_gate.py:435) calls the
-  Triton rms_norm_gated.
-- cpu-moe-gate: every Qwen3-Next layer is a sparse MoE block in 0.5.23
-  (qwen3_next.py:543, :703; mlp_only_layers is ignored); its shared-expert gate
-  binds the Triton fused_gate_sigmoid_mul[_add] (models/qwen2_moe.py:31-32,
-  used at :731, :877). The routed experts already run torch-native on CPU.
-- cpu-device-module: Qwen3GatedDeltaNet.__init__ (qwen3_next.py:235, :252) calls
-  torch.get_device_module().current_device(), which raises without an accelerator.
-- cpu-rope-native: RotaryEmbedding.__init__ (rotary_embedding/base.py:122-141)
-  imports vllm._custom_ops.rotary_embedding as a "fallback kernel" on any
-  platform it does not know; the module flag _is_mps (read only there, :128)
-  keeps it on the torch path.
-- cpu-extra-buffer: _platform_supports_mamba_cache_extra_buffer
-  (arg_groups/mamba_hook.py:102) allows --mamba-radix-cache-strategy
-  extra_buffer only on CUDA/MUSA/NPU/HIP/XPU; the torch GDN kernel returns the
-  per-chunk states `h` that strategy needs.
-- cpu-pin-memory: ScheduleBatch.prepare_for_decode (schedule_batch.py:3830)
-  pins the extra_buffer track mask unconditionally; pinning needs a driver.
+How, per entry:
+- cpu-gdn-torch: the Triton GDN kernels, causal conv1d and extra_buffer track
+  copies are replaced by the torch ports in sglang_l3.cpu_serving.
+- cpu-qwen3next-ops: the Triton qkvzba split and the gated RMSNorm forward are
+  replaced by torch versions (sglang_l3.cpu_serving.ops).
+- cpu-moe-gate: the Triton shared-expert gate (fused_gate_sigmoid_mul[_add]) is
+  replaced by a torch version.
+- cpu-device-module: AROUND Qwen3GatedDeltaNet.__init__, torch.get_device_module()
+  with no argument returns torch.cpu.
+- cpu-rope-native: AROUND RotaryEmbedding.__init__, the module flag _is_mps is
+  True, so no vllm "fallback kernel" is imported.
+- cpu-extra-buffer: the platform check for --mamba-radix-cache-strategy
+  extra_buffer returns True.
+- cpu-pin-memory: Tensor.pin_memory returns the tensor itself.
+- cpu-tp-gloo: AROUND GroupCoordinator.__init__, the device communicators
+  (PyNccl and friends) stay off when the group's backend is gloo, so `--tp-size 2`
+  reduces CPU tensors with torch.distributed on the gloo group.
 """
 
 from __future__ import annotations
@@ -55,11 +40,9 @@ _QWEN3_NEXT = "sglang.srt.models.qwen3_next"
 
 
 def applicable() -> str | None:
-    from sglang_l3.cpu import accelerator_present
+    from sglang_l3.cpu import not_applicable_reason
 
-    if accelerator_present():
-        return "an accelerator is present"
-    return None
+    return not_applicable_reason()
 
 
 def apply(ctx: PatchContext) -> None:
@@ -76,10 +59,6 @@ def _gdn_torch(ctx: PatchContext) -> None:
     ctx.replace(f"{_GDN}:causal_conv1d_update", conv1d.causal_conv1d_update)
     ctx.replace(f"{_HLAB}:track_mamba_states_if_needed", ops.track_mamba_states_if_needed)
     ctx.replace(f"{_HLAB}:track_mamba_states_all_layers", ops.track_mamba_states_all_layers)
-    # A CPU server needs the HiCache host pools to work without a driver too.
-    import sglang_l3.cpu
-
-    sglang_l3.cpu.enable()
 
 
 def _qwen3next_ops(ctx: PatchContext) -> None:
@@ -137,7 +116,7 @@ def _rope_native(ctx: PatchContext) -> None:
 
     def init(original: Callable, *args: Any, **kwargs: Any) -> Any:
         previous = base._is_mps
-        base._is_mps = True  # the only reader is this __init__ (base.py:128)
+        base._is_mps = True  # the only reader is this __init__
         try:
             return original(*args, **kwargs)
         finally:
@@ -162,6 +141,26 @@ def _pin_memory(ctx: PatchContext) -> None:
     ctx.around("torch:Tensor.pin_memory", pin_memory)
 
 
+def _tp_gloo(ctx: PatchContext) -> None:
+    import inspect
+
+    from sglang.srt.distributed import parallel_state
+
+    # the device communicators a gloo (CPU) group cannot build or use
+    off = ("use_pynccl", "use_mscclpp", "use_custom_allreduce", "use_torch_symm_mem_all_reduce")
+
+    def init(original: Callable, *args: Any, **kwargs: Any) -> Any:
+        bound = inspect.signature(original).bind(*args, **kwargs)
+        if str(bound.arguments.get("torch_distributed_backend")) == "gloo":
+            for name in off:
+                if bound.arguments.get(name):
+                    bound.arguments[name] = False
+        return original(*bound.args, **bound.kwargs)
+
+    del parallel_state  # imported to fail early if the module moved
+    ctx.around("sglang.srt.distributed.parallel_state:GroupCoordinator.__init__", init)
+
+
 _APPLY: dict[str, Callable[[PatchContext], None]] = {
     "cpu-gdn-torch": _gdn_torch,
     "cpu-qwen3next-ops": _qwen3next_ops,
@@ -170,4 +169,5 @@ _APPLY: dict[str, Callable[[PatchContext], None]] = {
     "cpu-rope-native": _rope_native,
     "cpu-extra-buffer": _extra_buffer,
     "cpu-pin-memory": _pin_memory,
+    "cpu-tp-gloo": _tp_gloo,
 }

@@ -1,14 +1,10 @@
-"""Patch `tiny-model-dummy-weights`: per-parameter seeded dummy weights for the
-packaged tiny model (python/sglang_l3/models/tiny-qwen3next).
+"""Patch `tiny-model-dummy-weights` (why: patches/series.toml): per-parameter
+seeded dummy weights for the packaged tiny model (python/sglang_l3/models/tiny-qwen3next).
 
-Upstream defect (0.5.23): `initialize_dummy_weights` (model_loader/weight_utils.py:1740,
-called by DummyModelLoader at model_loader/loader.py:1517) seeds every parameter
-with the same seed and draws from +-1e-3, so a tiny model's greedy output is one
-repeated token and "identical output after an L3 restore" proves nothing.
-
-Acts only on a model whose config carries `"sglang_l3_dummy_init":
-"per-parameter-v1"` (our packaged config); any other model gets upstream's init.
-So it applies with or without an accelerator: the GPU e2e variant serves the
+How: AROUND the loader's `initialize_dummy_weights`: a model whose config carries
+`"sglang_l3_dummy_init": "per-parameter-v1"` (our packaged config) gets a seed per
+parameter (CRC of its name) and a fan-in scale; any other model gets upstream's
+init. So it applies with or without an accelerator: the GPU e2e variant serves the
 same model with the same weights.
 """
 

@@ -16,19 +16,15 @@ import hashlib
 import importlib
 import inspect
 import logging
-import os
 import pkgutil
-import sys
 import textwrap
 import threading
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from sglang_l3 import envs
 
 logger = logging.getLogger("sglang_l3.patches")
 
@@ -65,6 +61,14 @@ class PatchSpec:
     retire_when: str
     targets: tuple[TargetSpec, ...]
     group: str = "all"
+    requires: tuple[str, ...] = ()  # patch ids applied (and required APPLIED) first
+    how: str = ""  # what the patch does (why: the upstream defect)
+    upstream_none: str = ""  # why there is no upstream reference
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """What the patch installs ("REGISTRY+AFTER" -> {REGISTRY, AFTER})."""
+        return frozenset(self.kind.split("+"))
 
 
 @dataclass
@@ -84,8 +88,12 @@ class PatchStatus:
             "targets": [t.path for t in self.spec.targets],
             "drift": {k: {"expected": e, "actual": a} for k, (e, a) in self.drift.items()},
             "fired": dict(self.fired),
+            "why": self.spec.why,
+            "how": self.spec.how,
             "upstream": list(self.spec.upstream),
+            "upstream_none": self.spec.upstream_none,
             "retire_when": self.spec.retire_when,
+            "requires": list(self.spec.requires),
         }
 
 
@@ -102,9 +110,22 @@ def load_series(path: Path = SERIES_PATH) -> list[PatchSpec]:
         if pid in seen:
             raise PatchError(f"series.toml: patch id {pid!r} appears twice")
         seen.add(pid)
-        kind = entry["kind"].upper()
-        if kind not in KINDS:
-            raise PatchError(f"series.toml: patch {pid!r} has unknown kind {kind!r}")
+        raw_kind = entry["kind"]
+        kinds = [raw_kind] if isinstance(raw_kind, str) else list(raw_kind)
+        kinds = [k.upper() for k in kinds]
+        for k in kinds:
+            if k not in KINDS:
+                raise PatchError(f"series.toml: patch {pid!r} has unknown kind {k!r}")
+        if not kinds or len(set(kinds)) != len(kinds):
+            raise PatchError(f"series.toml: patch {pid!r} has kind {raw_kind!r} (empty or repeated)")
+        kind = "+".join(kinds)
+        requires = tuple(entry.get("requires", []))
+        for r in requires:
+            if r not in seen or r == pid:
+                raise PatchError(
+                    f"series.toml: patch {pid!r} requires {r!r}, which is not an earlier entry "
+                    "(a required patch must come before the patches that require it)"
+                )
         for key in ("why", "retire_when", "module"):
             if not entry.get(key):
                 raise PatchError(f"series.toml: patch {pid!r} lacks {key!r}")
@@ -123,6 +144,9 @@ def load_series(path: Path = SERIES_PATH) -> list[PatchSpec]:
                 retire_when=entry["retire_when"].strip(),
                 targets=targets,
                 group=entry.get("group", "all"),
+                requires=requires,
+                how=entry.get("how", "").strip(),
+                upstream_none=entry.get("upstream_none", "").strip(),
             )
         )
     return specs
@@ -206,6 +230,7 @@ class PatchContext:
         self.status = status
         self._installed: list[_Installed] = []
         self._allowed = {t.path for t in status.spec.targets}
+        self.kinds_installed: set[str] = set()  # checked against series.toml's `kind`
 
     @property
     def id(self) -> str:
@@ -243,6 +268,10 @@ class PatchContext:
 
     def around(self, path: str, hook: Callable[..., Any]) -> None:
         """hook(original, *args, **kwargs) -> result."""
+        self.kinds_installed.add("AROUND")
+        self._around(path, hook)
+
+    def _around(self, path: str, hook: Callable[..., Any]) -> None:
         name = path.rsplit(".", 1)[-1]
 
         def make(fn: Callable) -> Callable:
@@ -256,16 +285,18 @@ class PatchContext:
 
     def after(self, path: str, hook: Callable[..., Any]) -> None:
         """hook(result, *args, **kwargs) -> new result (None keeps the result)."""
+        self.kinds_installed.add("AFTER")
 
         def wrapped(fn: Callable, *args: Any, **kwargs: Any) -> Any:
             result = fn(*args, **kwargs)
             new = hook(result, *args, **kwargs)
             return result if new is None else new
 
-        self.around(path, wrapped)
+        self._around(path, wrapped)
 
     def before(self, path: str, hook: Callable[..., Any]) -> None:
         """hook(*args, **kwargs) -> None or (args, kwargs)."""
+        self.kinds_installed.add("BEFORE")
 
         def wrapped(fn: Callable, *args: Any, **kwargs: Any) -> Any:
             changed = hook(*args, **kwargs)
@@ -273,9 +304,10 @@ class PatchContext:
                 args, kwargs = changed
             return fn(*args, **kwargs)
 
-        self.around(path, wrapped)
+        self._around(path, wrapped)
 
     def replace(self, path: str, new: Any) -> None:
+        self.kinds_installed.add("REPLACE")
         owner, attr, raw = self._check_target(path)
         if callable(new) and not isinstance(new, type):
 
@@ -292,7 +324,9 @@ class PatchContext:
             self._installed.append(_Installed(owner, attr, raw))
 
     def on_undo(self, fn: Callable[[], None]) -> None:
-        """Register an undo action for in-place edits (e.g. a registry dict)."""
+        """Register the undo of an in-place edit (a registry dict, a module or class
+        attribute that is not a declared callable): kind REGISTRY."""
+        self.kinds_installed.add("REGISTRY")
         self._installed.append(_Installed(None, "", fn))
 
     def undo(self) -> None:
@@ -313,11 +347,11 @@ _CONTEXTS: dict[str, PatchContext] = {}
 
 
 def disabled_ids() -> set[str]:
-    return {x.strip() for x in os.environ.get("SGLANG_L3_DISABLE", "").split(",") if x.strip()}
+    return {x.strip() for x in envs.value("SGLANG_L3_DISABLE").split(",") if x.strip()}
 
 
 def allow_drift() -> bool:
-    return os.environ.get("SGLANG_L3_ALLOW_DRIFT", "0").lower() in ("1", "true", "yes")
+    return envs.flag("SGLANG_L3_ALLOW_DRIFT")
 
 
 def check_spec(spec: PatchSpec) -> dict[str, tuple[str, str]]:
@@ -333,8 +367,23 @@ def check_spec(spec: PatchSpec) -> dict[str, tuple[str, str]]:
     return drift
 
 
-def apply_one(spec: PatchSpec) -> PatchStatus:
-    """Verify and apply one patch. Idempotent per process."""
+def _apply_required(spec: PatchSpec, series: Optional[list[PatchSpec]]) -> Optional[str]:
+    """Apply `spec.requires` in order; None when all are applied, else why not."""
+    if not spec.requires:
+        return None
+    by_id = {s.id: s for s in (series if series is not None else load_series())}
+    for rid in spec.requires:
+        req = by_id.get(rid)
+        if req is None:
+            raise PatchError(f"patch {spec.id!r} requires {rid!r}, which series.toml does not declare")
+        st = apply_one(req, series)
+        if st.state != State.APPLIED:
+            return f"requires {rid} ({st.state.value}{': ' + st.detail if st.detail else ''})"
+    return None
+
+
+def apply_one(spec: PatchSpec, series: Optional[list[PatchSpec]] = None) -> PatchStatus:
+    """Verify and apply one patch (its `requires` first). Idempotent per process."""
     with _LOCK:
         status = _STATUS.get(spec.id)
         if status is not None and status.state == State.APPLIED:
@@ -343,6 +392,10 @@ def apply_one(spec: PatchSpec) -> PatchStatus:
         _STATUS[spec.id] = status
         if spec.id in disabled_ids():
             status.state, status.detail = State.DISABLED, "SGLANG_L3_DISABLE"
+            return status
+        missing = _apply_required(spec, series)
+        if missing:
+            status.state, status.detail = State.NOT_APPLICABLE, missing
             return status
         module = importlib.import_module(spec.module)
         reason = module.applicable() if hasattr(module, "applicable") else None
@@ -364,6 +417,11 @@ def apply_one(spec: PatchSpec) -> PatchStatus:
         ctx = PatchContext(status)
         try:
             module.apply(ctx)
+            if ctx.kinds_installed != spec.kinds:
+                raise PatchError(
+                    f"series.toml declares kind {spec.kind}, but apply() installed "
+                    f"{'+'.join(sorted(ctx.kinds_installed)) or 'nothing'}"
+                )
         except Exception as e:
             ctx.undo()
             status.state, status.detail = State.FAILED, f"{type(e).__name__}: {e}"
@@ -378,9 +436,10 @@ def apply_one(spec: PatchSpec) -> PatchStatus:
 def apply_all(specs: Optional[list[PatchSpec]] = None, *, strict: bool = True) -> list[PatchStatus]:
     """Apply every patch in series order. strict: re-raise the first failure."""
     out: list[PatchStatus] = []
-    for spec in specs if specs is not None else load_series():
+    series = specs if specs is not None else load_series()
+    for spec in series:
         try:
-            out.append(apply_one(spec))
+            out.append(apply_one(spec, series))
         except PatchError:
             if strict:
                 raise

@@ -1,15 +1,11 @@
-"""Patch `gptq-rocm`: `--quantization gptq` on ROCm (RDNA3 first).
+"""Patch `gptq-rocm` (why: patches/series.toml): `--quantization gptq` on ROCm (RDNA3 first).
 
-Upstream 0.5.23 defects this works around (file:line in the pinned wheel):
-  * "gptq" is registered only on NPU/CPU/XPU (layers/quantization/__init__.py:107-137),
-    so get_quantization_config rejects it on ROCm (:163).
-  * ModelConfig._verify_quantization's ROCm allowlist lacks gptq
-    (configs/model_config.py:2000-2016, raise at 2156-2160).
-  * GPTQMarlinConfig.override_quantization_method (gptq/gptq.py:414-438) upgrades a
-    GPTQ checkpoint to CUDA-only Marlin when --quantization is not given: gfx1100
-    reports capability (11, 0), which passes Marlin's >= 80 check.
-  * GPTQLinearScheme._init_kernel raises (gptq/schemes/gptq_linear.py:31-35):
-    sglang_l3.quant.rocm_gptq supplies the kernel.
+How: QUANTIZATION_METHODS["gptq"] = sglang_l3.quant.rocm_gptq.RocmGPTQConfig (edited
+in place, refused when upstream registers one); AROUND
+ModelConfig._verify_quantization only upstream's exact ROCm refusal of gptq becomes
+acceptance; AROUND GPTQMarlinConfig.override_quantization_method a GPTQ checkpoint
+is not upgraded to Marlin on HIP unless asked; sglang_l3.quant.rocm_gptq supplies
+the linear kernel that GPTQLinearScheme._init_kernel refuses to pick.
 """
 
 from __future__ import annotations
@@ -18,30 +14,23 @@ import logging
 from typing import Any, Optional
 
 from sglang_l3.patches.framework import PatchContext, PatchError
+from sglang_l3.quant.platform import not_applicable_reason, on_hip
 
 logger = logging.getLogger("sglang_l3.patches.gptq_rocm")
 
 REGISTRY = "sglang.srt.layers.quantization:get_quantization_config"
 ALLOWLIST = "sglang.srt.configs.model_config:ModelConfig._verify_quantization"
 MARLIN = "sglang.srt.layers.quantization.gptq.gptq:GPTQMarlinConfig.override_quantization_method"
-# the exact error the allowlist raises (model_config.py:2157-2160)
+# the exact error the allowlist raises (ModelConfig._verify_quantization)
 ROCM_REJECT = "gptq quantization is currently not supported in ROCm."
 
 
 def _on_hip() -> bool:
-    from sglang.srt import utils  # looked up per call: tests simulate HIP by patching it
-
-    return bool(utils.is_hip())
+    return on_hip()
 
 
 def applicable() -> Optional[str]:
-    if not _on_hip():
-        return "not ROCm (torch.version.hip is None)"
-    from sglang.srt import utils
-
-    if utils.is_cpu():
-        return "SGLang CPU engine selected (SGLANG_USE_CPU_ENGINE=1)"
-    return None
+    return not_applicable_reason()
 
 
 def apply(ctx: PatchContext) -> None:
@@ -49,7 +38,7 @@ def apply(ctx: PatchContext) -> None:
 
     from sglang_l3.quant.rocm_gptq import RocmGPTQConfig
 
-    # 1. Registry: edit the dict in place (model_config.py:34 imported this very
+    # 1. Registry: edit the dict in place (sglang.srt.configs.model_config imported this very
     #    object; rebinding the name would leave that reference stale).
     registry = q.QUANTIZATION_METHODS
     if "gptq" in registry:

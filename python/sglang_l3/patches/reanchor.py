@@ -1,13 +1,7 @@
-"""Patch `reanchor`: an explicit, checked re-anchor step for buffer-only L3 restores.
+"""Patch `reanchor` (why: patches/series.toml): an explicit, checked re-anchor
+step for buffer-only L3 restores.
 
-In 0.5.23 `BufferModePipeline.init_load_back` (buffer_mode/pipeline.py:1725)
-materializes the restored span as node N and returns `(len, N)`; the request is
-rebound to N only later, by the caller (`PrefillAdder.add_one_req`,
-schedule_policy.py:1526) and locked on N in `_commit_prefill_admission` (1690).
-Nothing checks the binding, and inside init_load_back `req.last_node` is still
-the old anchor — our user's "node 19 vs node 32, slot 27 vs 28" report.
-
-This patch wraps init_load_back:
+How: AROUND `BufferModePipeline.init_load_back`:
 - before any H2D copy is queued it checks the staged plan against the request
   (prefix length, the anchor's device path); on failure it releases the staged
   hold, clears the storage-hit fields and returns None → the request is
@@ -20,8 +14,11 @@ This patch wraps init_load_back:
   is a fail-stop (the copy is already in flight).
 - after `_commit_prefill_admission` it checks the admission lock is on N and
   `req.prefix_len` equals N's device path length.
-- with SGLANG_L3_VERIFY=1 the load-back ack compares the request's slot, N's
-  slot and the host staging slot tensor by tensor (forces a device sync).
+- with SGLANG_L3_VERIFY=1 the request's slot, N's slot and the host staging
+  slot are compared tensor by tensor (forces a device sync) before the
+  request's first forward: at the load-back ack, or earlier, right after the
+  scheduler chose the batch (patch tp-verify-restores; at TP >= 2 the ack is
+  MIN-drained across ranks and may come after that forward).
 
 Every decision reads only tree metadata and request fields that are identical
 on every TP rank (the staged plan is built from the MIN-reduced hit count).
@@ -66,6 +63,7 @@ class RestoreRecord:
     load_back_id: int
     committed: bool = False
     anchor_releases: int = 0
+    verified: bool = False  # SGLANG_L3_VERIFY compared the states before the first forward
 
 
 @dataclass
@@ -197,7 +195,7 @@ def _postcheck(pipe: Any, req: Any, loaded: int, node: Any, state: Any, had_anch
             f"pending CoW/clear (cow_src={_slot(req.kv.mamba_cow_src_index)}, "
             f"clear={req.kv.mamba_needs_clear}) would overwrite the restored state"
         )
-    releases = _STATE.releases.pop(request, 0)
+    releases = _pop_releases(request)
     if request in pipe.anchor_locks:
         problems.append("prefetch anchor pin still held")
     if releases != (1 if had_anchor else 0):
@@ -206,7 +204,7 @@ def _postcheck(pipe: Any, req: Any, loaded: int, node: Any, state: Any, had_anch
         metrics.inc("fail_stops")
         raise ReanchorViolation(
             "sglang-l3 reanchor: buffer-only L3 restore violated its invariants after the H2D "
-            f"copy was queued; stopping to avoid serving wrong state: "
+            "copy was queued; stopping to avoid serving wrong state: "
             + _describe(req, node=node, node_slot=node_slot, host_slot=host_slot, loaded=loaded)
             + " — "
             + "; ".join(problems)
@@ -224,6 +222,11 @@ def _postcheck(pipe: Any, req: Any, loaded: int, node: Any, state: Any, had_anch
         load_back_id=-1,
         anchor_releases=releases,
     )
+
+
+def _pop_releases(request: Any) -> int:
+    with _STATE.lock:
+        return _STATE.releases.pop(request, 0)
 
 
 def _init_load_back(original, pipe: Any, params: Any) -> Any:
@@ -244,11 +247,11 @@ def _init_load_back(original, pipe: Any, params: Any) -> Any:
         _STATE.releases[request] = 0
     result = original(pipe, params)
     if result is None:  # capacity: upstream keeps the hold for the next pass
-        _STATE.releases.pop(request, None)
+        _pop_releases(request)
         return result
     loaded, node = result
     if load_back_id not in pipe.ongoing_buffer_load_back:
-        _STATE.releases.pop(request, None)
+        _pop_releases(request)
         return result  # nothing was queued (upstream's "unchanged" exit)
     state = pipe.ongoing_buffer_load_back[load_back_id]
     rec = _postcheck(pipe, req, int(loaded), node, state, had_anchor)
@@ -330,22 +333,35 @@ def verify_restored_state(pipe: Any, rec: RestoreRecord) -> list[str]:
     return problems
 
 
+def verify_now(pipe: Any, rec: RestoreRecord) -> None:
+    """SGLANG_L3_VERIFY: compare the restored states now; fail-stop on a difference.
+
+    Valid only before the request's first forward pass (which advances its
+    slot): at the ack, or (patch tp-verify-restores) right after the scheduler
+    chose the batch - at TP >= 2 the ack is drained by the MIN of the ranks'
+    ready counts and can come after that forward."""
+    if rec.verified or rec.host_slot is None:
+        return
+    rec.verified = True
+    _sync()
+    problems = verify_restored_state(pipe, rec)
+    metrics.inc("verify_checks")
+    if problems:
+        metrics.inc("fail_stops")
+        raise ReanchorViolation(
+            f"sglang-l3 verify: restored Mamba state differs for req={rec.rid} node={rec.node}: "
+            + "; ".join(problems)
+        )
+
+
 def _try_finish_load_back(original, pipe: Any, ack_id: int) -> Any:
     state = pipe.ongoing_buffer_load_back.get(ack_id)
     rec = None
     if state is not None:
         with _STATE.lock:
             rec = _STATE.by_request.pop(state.request, None)
-    if rec is not None and rec.host_slot is not None and verify_enabled():
-        _sync()
-        problems = verify_restored_state(pipe, rec)
-        metrics.inc("verify_checks")
-        if problems:
-            metrics.inc("fail_stops")
-            raise ReanchorViolation(
-                f"sglang-l3 verify: restored Mamba state differs for req={rec.rid} node={rec.node}: "
-                + "; ".join(problems)
-            )
+    if rec is not None and verify_enabled():
+        verify_now(pipe, rec)
     return original(pipe, ack_id)
 
 

@@ -1,20 +1,11 @@
-"""Patch `stale-cow`: no stale Mamba copy-on-write source on admission `continue`s.
+"""Patch `stale-cow` (why: patches/series.toml): no stale Mamba copy-on-write
+source on admission `continue`s.
 
-In the admission loop (`Scheduler._get_new_batch_prefill_raw`, scheduler.py
-4260-4299) `req.init_next_round_input()` can allocate the request's private
-Mamba slot and point `mamba_cow_src_index` at the matched node's slot. When
-the request is then *not* admitted, the loop's cleanup (4289-4299) clears the
-CoW/clear metadata and frees the fresh slot — but two `continue`s skip it:
-after `_prefetch_after_device_hit_loss` returns True (4261-4264) and after
-`prepare_staged_prefetch` returns False ("shrunk", 4265-4269). If the CoW
-source's state is evicted and its slot reused before the request is admitted
-without a staged load, `HybridReqToTokenPool.alloc` keeps the slot without
-`mamba_needs_clear` and the deferred CoW copies another request's state in as
-the initial Gated-DeltaNet state: silently wrong output.
-
-The patch applies exactly the loop's own not-admitted cleanup when either call
-reports "not this pass". Both methods are called only from that loop, right
-after init_next_round_input.
+How: AROUND `Scheduler._prefetch_after_device_hit_loss` (when it returns True) and
+`BufferModePipeline.prepare_staged_prefetch` (when it returns False, "shrunk"), apply
+exactly the admission loop's own not-admitted cleanup (clear the CoW/clear metadata,
+free the fresh private Mamba slot). Both methods are called only from that loop
+(`Scheduler._get_new_batch_prefill_raw`), right after init_next_round_input.
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ PIPE = "sglang.srt.mem_cache.buffer_mode.pipeline:BufferModePipeline"
 
 
 def release_unadmitted_mamba(req: Any, req_to_token_pool: Any, where: str) -> None:
-    """Mirror of scheduler.py:4289-4299 for a request that stays queued."""
+    """Mirror of the admission loop's not-admitted cleanup, for a request that stays queued."""
     kv = req.kv
     had_cow = kv.mamba_cow_src_index is not None or kv.mamba_needs_clear
     kv.mamba_cow_src_index = None

@@ -1,28 +1,22 @@
-"""Patch `store-file`: `--hicache-storage-backend file` -> sglang-l3's NVMe store.
-
-Upstream defects worked around (0.5.23, hicache_storage.py:728-1108):
-- one raw page per file, no header / dtype / layout / checksum ("TODO: Include
-  KV dtype and stored layout in keys", ~761): a flipped byte or a bf16 page read
-  as fp16 is served as valid KV;
-- a short read raises IOError, which get() does not catch (only
-  FileNotFoundError); a damaged file is never rewritten (set() skips existing
-  keys) (#39147 residual);
-- one page at a time, one thread, through a temporary tensor (~1.2 GB/s,
-  #26886 / #26305; #39880 proposes parallel readv/writev);
-- no fsync, default dir /tmp/hicache created with default permissions.
+"""Patch `store-file` (why: patches/series.toml): `--hicache-storage-backend file`
+-> sglang-l3's NVMe store.
 
 How: two edits.
-1. StorageBackendFactory._registry["file"] loads sglang_l3.storage.backend.
-   L3FileStore instead of HiCacheFile (undone on SGLANG_L3_DISABLE=store-file).
+1. "file" is registered to sglang_l3.storage.backend.L3FileStore through
+   upstream's `StorageBackendFactory.register_backend` (undo restores upstream's
+   own entry; SGLANG_L3_DISABLE=store-file keeps it).
 2. AFTER HiCacheController.attach_storage_backend: when the backend is ours,
    select the controller's zero-copy page functions (batch_get_v1 /
    batch_set_v1 straight on host-pool memory). Upstream picks them by backend
-   name (cache_controller.py:649-662) and "file" is not in its list, so KV
-   pages would otherwise go through a temporary flat tensor and an extra copy.
+   name in that method and "file" is not in its list, so KV pages would
+   otherwise go through a temporary flat tensor and an extra copy.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 from sglang_l3.patches.framework import PatchContext
@@ -30,6 +24,18 @@ from sglang_l3.patches.framework import PatchContext
 REGISTRY = "sglang.srt.mem_cache.storage.backend_factory:StorageBackendFactory._registry"
 ATTACH = "sglang.srt.managers.cache_controller:HiCacheController.attach_storage_backend"
 MODULE, CLASS = "sglang_l3.storage.backend", "L3FileStore"
+
+
+@contextlib.contextmanager
+def _quiet(log: logging.Logger, text: str) -> Iterator[None]:
+    def drop(record: logging.LogRecord) -> bool:
+        return text not in record.getMessage()
+
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
 
 
 def apply(ctx: PatchContext) -> None:
@@ -43,12 +49,11 @@ def apply(ctx: PatchContext) -> None:
     previous = registry.get("file")
     if previous is None:
         raise RuntimeError("upstream registers no 'file' storage backend - upstream changed")
-
-    def loader() -> type:
-        ctx.fired("file_backend_loaded")
-        return StorageBackendFactory._load_backend_class(MODULE, CLASS, "file")
-
-    registry["file"] = {"loader": loader, "module_path": MODULE, "class_name": CLASS}
+    # upstream's public extension point; it warns on every re-registration, and
+    # replacing "file" is this patch's intent, so that one warning is dropped
+    with _quiet(logging.getLogger(StorageBackendFactory.__module__), "is already registered, overwriting"):
+        StorageBackendFactory.register_backend("file", MODULE, CLASS)
+    # upstream has no unregister: undo puts its own entry back
     ctx.on_undo(lambda: registry.__setitem__("file", previous))
 
     def select_zero_copy(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:

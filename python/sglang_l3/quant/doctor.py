@@ -26,9 +26,9 @@ def _short(dtype: torch.dtype) -> str:
 def report(dev: Optional[Any] = None) -> dict:
     """{"ok": bool, "lines": [...], "data": {...}}. `dev` (a dispatch.DeviceInfo)
     overrides the detected device (tests simulate gfx1100 with it)."""
-    from sglang_l3.patches import gptq_rocm
+    from sglang_l3.quant.platform import not_applicable_reason
 
-    reason = gptq_rocm.applicable() if dev is None else None
+    reason = not_applicable_reason() if dev is None else None
     if reason:
         return {"ok": True,
                 "lines": [f"gptq-rocm: not applicable here ({reason})"],

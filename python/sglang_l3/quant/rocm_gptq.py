@@ -2,15 +2,15 @@
 
 Upstream 0.5.23 keeps the GPTQ config, the GPTQLinearMethod and the scheme's
 weight creation, but `GPTQLinearScheme._init_kernel` raises
-(layers/quantization/gptq/schemes/gptq_linear.py:31-35). We reuse all of it and
+(GPTQLinearScheme._init_kernel). We reuse all of it and
 supply the kernel: `_init_kernel` returns a `_DispatchedKernel`, which after the
 weights load detects the zero format, sorts act-order rows, and lets
 `dispatch.select` pick and verify the GEMM.
 
 Also fixed here, without touching upstream:
-  * fp16 and bf16 activations (GPTQConfig says fp16 only, gptq.py:134);
+  * fp16 and bf16 activations (GPTQConfig.get_supported_act_dtypes says fp16 only);
   * pack_factor is derived from weight_bits (override_config in
-    layers/quantization/utils.py:233 assigns 32 // bits: 10 instead of 32/3);
+    quantization.utils.override_config assigns 32 // bits: 10 instead of 32/3);
   * MoE layers go to upstream's moe_wna16 method when its constraints hold.
 """
 

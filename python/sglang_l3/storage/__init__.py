@@ -8,7 +8,7 @@ Modules (the first group imports neither torch nor sglang, so the CLI is instant
   io_engine  parallel vectored IO, O_DIRECT, atomic writes, durability
   store      PageStore: exists/read/write, quarantine, budget (LRUFileEvictor)
   index      scan a store directory: stats, coverage, verify, evict, clear
-  metrics    process-wide counters()
+  (counters: sglang_l3.metrics, the one counter path; counters() = its store part)
   pagemap    host pool page <-> zero-copy memoryview runs      (torch)
   backend    L3FileStore(HiCacheStorage)                        (torch + sglang)
   cli, doctor
@@ -20,7 +20,7 @@ from typing import Any
 
 from sglang_l3.storage.config import StoreSettings, default_store_dir
 from sglang_l3.storage.identity import ModelIdentity, PoolLayout, Shard, identity_for
-from sglang_l3.storage.metrics import counters
+from sglang_l3.metrics import store_counters as counters
 
 __all__ = [
     "StoreSettings",

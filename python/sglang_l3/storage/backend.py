@@ -4,7 +4,7 @@ Implements upstream's HiCacheStorage interface - v2 (batch_exists_v2 /
 batch_get_v2 / batch_set_v2, used for KV + Mamba pools of hybrid models), v1
 zero-copy (batch_get_v1 / batch_set_v1, used for the KV pool once the patch
 selects the zero-copy page functions), and the legacy get/set API - on top of
-PageStore. Semantics mirror HiCacheFile (hicache_storage.py:728-1108) so the
+PageStore. Semantics mirror HiCacheFile (sglang.srt.mem_cache.hicache_storage) so the
 controller's MIN-reduce across TP ranks sees the same shapes of answers; what
 changes is the file format (self-describing, checksummed), the IO (batched,
 parallel, zero-copy, optional O_DIRECT), the budget and the failure modes:
@@ -13,8 +13,11 @@ no call here raises into the scheduler - a failure is a miss / False.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
+import threading
+import time
 from enum import Enum
 from typing import Any, Callable, List, Optional
 
@@ -96,6 +99,11 @@ class L3FileStore(HiCacheStorage):
         self._maps: dict[str, PageMap] = {}
         self._specs: dict[str, PoolSpec] = {}
         self._warned: set[str] = set()
+        # per batch since the last get_stats(): (pages moved, GB/s), bounded
+        self._io_stats: dict[bool, collections.deque] = {
+            w: collections.deque(maxlen=4096) for w in (False, True)
+        }
+        self._stats_lock = threading.Lock()
 
     # ------------------------------------------------------------ registry
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -228,7 +236,9 @@ class L3FileStore(HiCacheStorage):
             spans.append((rkey, len(items), plan))
             items.extend(it for it, _ in plan)
         if items:
+            t0 = time.perf_counter()
             res = self.store.write(items) if write else self.store.read(items)
+            self._record_batch(items, res, time.perf_counter() - t0, write)
             for rkey, start, plan in spans:
                 r = res[start : start + len(plan)]
                 if not write:
@@ -328,8 +338,29 @@ class L3FileStore(HiCacheStorage):
     def counters(self) -> dict:
         return self.store.counters.snapshot()
 
-    def get_stats(self):
-        return None  # upstream's StorageMetrics shape; our counters are in counters()
+    def _record_batch(self, items: list, res: List[bool], seconds: float, write: bool) -> None:
+        pages = sum(1 for ok in res if ok)
+        if not pages:
+            return
+        nbytes = sum(it.spec.payload_len for it, ok in zip(items, res) if ok)
+        with self._stats_lock:
+            self._io_stats[write].append((pages, nbytes / max(seconds, 1e-9) / 1e9))
+
+    def get_stats(self) -> Any:
+        """Upstream's StorageMetrics (read by the cache when --enable-metrics):
+        pages per batch and GB/s per batch since the last call, prefetch = reads,
+        backup = writes. Our own counters: counters() / sglang_l3.metrics."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        out = StorageMetrics()
+        with self._stats_lock:
+            for write, pgs, bw in ((False, out.prefetch_pgs, out.prefetch_bandwidth),
+                                   (True, out.backup_pgs, out.backup_bandwidth)):
+                for pages, gbps in self._io_stats[write]:
+                    pgs.append(pages)
+                    bw.append(gbps)
+                self._io_stats[write].clear()
+        return out
 
     def close(self) -> None:
         self.store.close()

@@ -26,6 +26,7 @@ from sglang_l3.storage.config import (
     SIZE_EXAMPLES,
     ConfigError,
     StoreSettings,
+    fmt_bytes,
     parse_size,
 )
 from sglang_l3.storage.evictor import fs_usage
@@ -38,14 +39,6 @@ from sglang_l3.storage.safety import (
 
 EXIT_OK, EXIT_NOTHING, EXIT_USAGE, EXIT_UNCONFIRMED = 0, 1, 2, 3
 _VALUE_OPTIONS = ("--to", "--limit", "--model", "--pool", "--dir")
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def resolve_dir(explicit: str | None = None) -> str:

@@ -29,6 +29,14 @@ class ConfigError(ValueError):
     """A setting has a value we cannot use; the message names the setting."""
 
 
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def parse_size(value: Any, *, name: str = "size", fs_total: Optional[int] = None, strict: bool = False) -> int:
     """'20G' (SI, like upstream's human_readable_int), '20Gi'/'20GiB'/'20gib'
     (IEC), plain bytes, or 'N%' of the filesystem (needs fs_total).

@@ -8,14 +8,13 @@ import pwd
 import stat
 from typing import Any, Optional
 
-from sglang_l3.storage import index, metrics
-from sglang_l3.storage.config import ConfigError, StoreSettings
+from sglang_l3 import metrics
+from sglang_l3.storage import index
+from sglang_l3.storage.config import ConfigError, StoreSettings, fmt_bytes
 from sglang_l3.storage.safety import UnsafeStoreError, check_dir, check_store
 
 
 def _fmt(n: float) -> str:
-    from sglang_l3.storage.cli import fmt_bytes
-
     return fmt_bytes(n)
 
 
@@ -93,7 +92,7 @@ def report(store_dir: Optional[str] = None) -> dict[str, Any]:
                 models=[{k: m[k] for k in ("mid", "model", "pages", "bytes")} for m in st_["models"]])
     lines.append(f"  {st_['pages']} pages ({_fmt(st_['bytes'])}) from {len(st_['models'])} model identities; "
                  f"{st_['quarantined']['files']} quarantined, {st_['strays']} stray, {st_['tmp']} tmp")
-    live = metrics.counters()
+    live = metrics.store_counters()
     if live:
         data["counters"] = live
     return {"ok": ok, "lines": lines, "data": data}

@@ -1,7 +1,7 @@
 """Parallel, vectored page IO straight between host buffers and files.
 
 Upstream's file backend reads/writes one page at a time on one thread through
-a temporary tensor (hicache_storage.py:865-913). Here a batch of pages is cut
+a temporary tensor (HiCacheFile.batch_get / batch_set). Here a batch of pages is cut
 into 4 MiB checksum blocks; workers (the calling thread plus pool threads)
 pull blocks off one shared list and run one `preadv`/`pwritev` per block
 directly on the caller's memoryviews (the host pool's own memory), so the disk

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from sglang_l3.storage import metrics, writers
+from sglang_l3 import metrics
+from sglang_l3.storage import writers
 from sglang_l3.storage.config import StoreSettings
 from sglang_l3.storage.evictor import fs_usage, make_evictor
 from sglang_l3.storage.format import (
@@ -123,7 +124,6 @@ class PageStore:
             retention=self.sessions,
             counters=self.counters,
         )
-        metrics.register(self)
         if sweep_strays is None:
             sweep_strays = shard.tp_rank == 0 and shard.pp_rank == 0 and shard.cp_rank == 0
         self._sweeper: threading.Thread | None = None

@@ -8,13 +8,15 @@ buffer_only` and a device KV pool too small for all agents at once. The agents
 take turns; each turn sends the agent's whole history plus a new message. Per
 turn it prints where the reused prefix came from, as the server reports it
 (`cached_tokens_details`: device / L3), and the time to first token — next to
-the time to first token of a same-length prompt that nothing is cached for
-(computed from scratch on the same server).
+the time to first token of same-length prompts that nothing is cached for
+(computed from scratch on the same server after a warm-up request; the median
+of --control-repeats of them).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -24,6 +26,7 @@ from pathlib import Path
 from sglang_l3.testing.server import (
     Server,
     ServerConfig,
+    ServerError,
     prompt,
     warm_hicache_hash_extension,
 )
@@ -45,11 +48,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-tokens", type=int, default=0,
                     help="after the agents: TTFT of an N-token prompt computed vs restored from L3")
     ap.add_argument("--probe-repeats", type=int, default=3)
-    ap.add_argument("--log", default=None, help="server log file (default: a temp file)")
+    ap.add_argument("--control-repeats", type=int, default=3,
+                    help="unseen same-length prompts per turn for the 'nothing cached' column (median)")
+    ap.add_argument("--log", default=None,
+                    help="server log file (default: a temp file, removed unless the demo fails)")
     args = ap.parse_args(argv)
 
     store = Path(args.store).resolve()
-    log = Path(args.log) if args.log else Path(tempfile.mkdtemp(prefix="sglang-l3-demo-")) / "server.log"
+    tmp = None if args.log else Path(tempfile.mkdtemp(prefix="sglang-l3-demo-"))
+    log = Path(args.log) if args.log else tmp / "server.log"
+    ok = False
+    try:
+        code = _run(args, store, log)
+        ok = code == 0
+        return code
+    except ServerError as e:
+        print(f"sglang-l3 demo: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if tmp is not None:
+            if ok:
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                print(f"  server log kept: {log}")
+
+
+def _run(args: argparse.Namespace, store: Path, log: Path) -> int:
     cfg = ServerConfig(
         storage_dir=str(store),
         max_total_tokens=args.device_pool,
@@ -60,16 +84,23 @@ def main(argv: list[str] | None = None) -> int:
     warm_hicache_hash_extension()
     server = Server(cfg, log)
     print(f"sglang-l3 demo: starting a CPU server (tiny Qwen3-Next, L3 = file store {store})")
-    print("  " + " ".join(server.command))
+    print("  " + server.shell_command())
     print(f"  log: {log}")
     t0 = time.perf_counter()
-    with server:
-        print(f"  ready in {time.perf_counter() - t0:.0f} s\n")
+    print("  starting (1-3 minutes on a busy machine) ...", flush=True)
+    server.start(progress=lambda s: print(f"  ... still starting ({s:.0f} s)", flush=True))
+    try:
+        print(f"  ready in {time.perf_counter() - t0:.0f} s", flush=True)
+        # the first request pays one-off costs (allocator, thread start-up): not a measurement
+        server.generate(prompt(1, args.system_tokens), 1)
+        print()
         if args.turns > 0:
             _converse(server, args)
         if args.probe_tokens > 0:
             _probe(server, args.probe_tokens, args.probe_repeats)
         return 0
+    finally:
+        server.stop()
 
 
 def _converse(server: Server, args: argparse.Namespace) -> None:
@@ -80,13 +111,17 @@ def _converse(server: Server, args: argparse.Namespace) -> None:
     print("-" * len(header))
     control_seed = 90_000
     for turn in range(1, args.turns + 1):
-        for agent in history:
-            ids = history[agent] + prompt(100 * agent + turn, args.user_tokens)
+        for agent, past in history.items():
+            ids = past + prompt(100 * agent + turn, args.user_tokens)
             g = server.generate(ids, args.reply_tokens)
             history[agent] = ids + g.output_ids
-            # the same amount of work with nothing to reuse: an unseen prompt of equal length
-            control_seed += 1
-            c = server.generate(prompt(control_seed, len(ids)), 1)
+            # the same amount of work with nothing to reuse: unseen prompts of equal
+            # length, the median of a few (one run swings with the machine's load)
+            controls = []
+            for _ in range(max(1, args.control_repeats)):
+                control_seed += 1
+                controls.append(server.generate(prompt(control_seed, len(ids)), 1))
+            c = sorted(controls, key=lambda x: x.ttft_s)[len(controls) // 2]
             rows.append((g, c))
             print(f"{agent:>5} {turn:>4} {len(ids):>6}  {g.source:<24} {g.ttft_s * 1e3:>6.0f} ms"
                   f"  {c.ttft_s * 1e3:>17.0f} ms", flush=True)

@@ -4,6 +4,12 @@ packaged tiny Qwen3-Next (used by `python -m sglang_l3.testing.demo_server` and 
 Nothing here changes the server's behaviour: it builds the command line, waits
 for the server to be ready, sends HTTP requests with input ids
 (--skip-tokenizer-init) and reads what the server reports.
+
+Upstream's test launcher (`sglang.test.test_utils:popen_launch_server`) does not
+fit: it starts `sglang serve` and polls `/health_generate`, which runs a
+generation through the very cache a test then inspects (cached-token counts,
+L3 pages, counters). Readiness is read from the launcher's log line instead;
+stopping uses upstream's `sglang.srt.utils:kill_process_tree`.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -18,14 +25,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import sglang_l3
 
 TINY_MODEL_DIR = Path(sglang_l3.__file__).resolve().parent / "models" / "tiny-qwen3next"
 READY_LINE = "The server is fired up"
+BIND_ERROR = "error while attempting to bind on address"
 
 
 def free_port() -> int:
@@ -40,29 +49,69 @@ def warm_hicache_hash_extension() -> None:
     Upstream compiles it on first use inside the storage prefetch thread
     (mem_cache/cpp_utils/native_hash.py); on a slow or busy machine that takes
     longer than the 10 s `/flush_cache` waits for the thread to stop
-    (cache_controller.py:518-531), and the scheduler dies with "Failed to stop
+    (HiCacheController._stop_storage_threads), and the scheduler dies with "Failed to stop
     HiCache storage threads cleanly". Building it beforehand avoids that.
     """
     from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module
 
+    from sglang_l3.patches import framework
+
+    # this process is no SGLang process (no plugin): apply just the patch that
+    # keeps torch's lock file from being reported as stale
+    for spec in framework.load_series():
+        if spec.id == "quiet-extension-lock":
+            framework.apply_one(spec)
     _load_native_hash_module()
+
+
+def omp_threads_bind(ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` CPU ranks: this process's cores split
+    into contiguous ranges, one per rank ("0|1" on two cores); with fewer cores than
+    ranks, ranks share them."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    parts = []
+    for r in range(ranks):
+        lo, hi = r * len(cores) // ranks, (r + 1) * len(cores) // ranks
+        mine = cores[lo:hi] or [cores[r % len(cores)]]
+        contiguous = mine == list(range(mine[0], mine[-1] + 1))
+        parts.append(f"{mine[0]}-{mine[-1]}" if contiguous and len(mine) > 1
+                     else ",".join(str(c) for c in mine))
+    return "|".join(parts)
 
 
 @dataclass
 class ServerConfig:
     """What the CPU L3 server is started with (defaults: the demo/e2e settings)."""
 
-    storage_dir: Optional[str] = None  # None: no HiCache at all
+    storage_dir: str | None = None  # None (and backend "file"): no HiCache at all
+    # --hicache-storage-backend; "mooncake" joins the store named by storage_extra_config
+    # (e.g. sglang_l3.testing.mooncake.MooncakeCluster.extra_config()), no storage_dir needed
+    storage_backend: str = "file"
+    storage_extra_config: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
-    max_total_tokens: int = 4096
+    max_total_tokens: int | None = 4096  # None: leave --max-total-tokens to upstream
     max_mamba_cache_size: int = 32
     max_running_requests: int = 8
-    chunked_prefill_size: Optional[int] = None
-    page_size: Optional[int] = None
-    prefetch_threshold: Optional[int] = None
-    storage_extra: dict[str, Any] = field(default_factory=dict)  # more extra-config keys
+    chunked_prefill_size: int | None = None
+    page_size: int | None = None
+    prefetch_threshold: int | None = None
+    tp_size: int = 1  # --tp-size; on CPU each rank is a process (gloo, patch cpu-tp-gloo)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def hicache(self) -> bool:
+        return self.storage_dir is not None or self.storage_backend != "file"
+
+    def server_env(self) -> dict[str, str]:
+        """Environment the server needs for this config (`env` overrides it)."""
+        out: dict[str, str] = {}
+        if self.device == "cpu" and self.tp_size > 1:
+            # numa_utils.init_threads_binding asserts ranks <= NUMA nodes unless this
+            # names each rank's cores ('|'-separated); without AMX/arm64 sgl-kernel
+            # the ids are only logged (distributed/bootstrap.py _init_cpu_threads_env).
+            out["SGLANG_CPU_OMP_THREADS_BIND"] = omp_threads_bind(self.tp_size)
+        return out
 
     def args(self, port: int) -> list[str]:
         a = [
@@ -72,29 +121,39 @@ class ServerConfig:
             "--device", self.device,
             "--host", "127.0.0.1",
             "--port", str(port),
-            "--max-total-tokens", str(self.max_total_tokens),
             "--max-running-requests", str(self.max_running_requests),
             "--max-mamba-cache-size", str(self.max_mamba_cache_size),
             "--mamba-radix-cache-strategy", "extra_buffer",
             "--disable-overlap-schedule",
         ]
+        if self.max_total_tokens is not None:
+            a += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.device == "cpu":
             a += ["--attention-backend", "torch_native", "--disable-cuda-graph"]
         else:
             # a tiny model on a big GPU: Triton attention (no FlashInfer needed), a
             # small static fraction (the pools are capped by the token counts above)
             a += ["--attention-backend", "triton", "--mem-fraction-static", "0.2"]
+        if self.tp_size != 1:
+            a += ["--tp-size", str(self.tp_size)]
         if self.chunked_prefill_size is not None:
             a += ["--chunked-prefill-size", str(self.chunked_prefill_size)]
         if self.page_size is not None:
             a += ["--page-size", str(self.page_size)]
-        if self.storage_dir is not None:
+        if self.hicache:
             a += [
                 "--enable-hierarchical-cache",
-                "--hicache-storage-backend", "file",
+                "--hicache-storage-backend", self.storage_backend,
                 "--hicache-mem-layout", "buffer_only",
+                # explicit: upstream's auto-sizing refuses to start when the host has
+                # less than 10 GiB free (hicache_auto_size.py), as on a busy test box
+                "--hicache-ratio", "2",
             ]
-            extra = dict(self.storage_extra)
+            # the store location on the command line (not in the environment), so
+            # the printed command can be copied as is
+            extra: dict[str, Any] = dict(self.storage_extra_config)
+            if self.storage_dir is not None:
+                extra["store_dir"] = str(self.storage_dir)
             if self.prefetch_threshold is not None:
                 extra["prefetch_threshold"] = self.prefetch_threshold
             if extra:
@@ -103,6 +162,10 @@ class ServerConfig:
 
 
 class ServerError(RuntimeError):
+    pass
+
+
+class _PortTaken(ServerError):
     pass
 
 
@@ -117,40 +180,96 @@ class Server:
         self.python = python
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
 
     # ------------------------------------------------------------- lifecycle
     @property
     def command(self) -> list[str]:
         return [self.python, "-m", "sglang.launch_server", *self.config.args(self.port)]
 
-    def start(self) -> "Server":
+    def shell_command(self) -> str:
+        """The command as one copyable shell line, with the SGLANG* variables
+        this launcher sets for the server in front."""
+        env = self.env()
+        prefix = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
+                  if k.startswith("SGLANG") and os.environ.get(k) != v]
+        return " ".join(prefix + [shlex.quote(a) for a in self.command])
+
+    def env(self) -> dict[str, str]:
+        """The server's environment (the store directory is on the command line
+        and created, 0700, by the store itself)."""
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        if self.config.storage_dir is not None:
-            Path(self.config.storage_dir).mkdir(parents=True, exist_ok=True)
-            env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(self.config.storage_dir)
+        if self.config.device == "cpu":
+            # the CPU patches (cpu-serving, cpu-host-pools) apply only when asked
+            env["SGLANG_L3_CPU_SERVING"] = "1"
+        env.update(self.config.server_env())
         env.update(self.config.env)
+        return env
+
+    def start(self, progress: Callable[[float], None] | None = None,
+              progress_every: float = 10.0) -> Server:
+        """Launch and wait until ready; `progress(elapsed_s)` is called every
+        `progress_every` seconds meanwhile (the demo prints a line).
+
+        free_port() reserves nothing: the server's own scheduler (gloo, Mooncake's
+        transfer engine) may bind that ephemeral port before the HTTP server does.
+        Then retry on another port."""
+        for _ in range(3):
+            try:
+                return self._start_once(progress, progress_every)
+            except _PortTaken:
+                self.port = free_port()
+                self.base = f"http://127.0.0.1:{self.port}"
+        raise ServerError(f"the HTTP port was taken three times; log {self.log_path}:\n{self.log_tail()}")
+
+    def _start_once(self, progress: Callable[[float], None] | None, progress_every: float) -> Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        log.close()
-        self._wait_ready()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        self._wait_ready(progress, progress_every)
         return self
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
+    def run_to_exit(self, timeout: float = 300.0) -> tuple[int, str, float]:
+        """Launch and wait for the launcher to exit by itself (start-up error
+        tests): (return code, its output, seconds). The group is killed after."""
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env(),
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+            code = self.proc.returncode
+        except subprocess.TimeoutExpired:
+            out, code = b"", -1
+        elapsed = time.monotonic() - t0
+        self.stop()
+        return code, out.decode(errors="replace"), elapsed
+
+    def _wait_ready(self, progress: Callable[[float], None] | None = None,
+                    every: float = 5.0) -> None:
+        t0 = time.monotonic()
+        deadline = t0 + self.startup_timeout
+        next_report = t0 + every
         while time.monotonic() < deadline:
+            if progress is not None and time.monotonic() >= next_report:
+                progress(time.monotonic() - t0)
+                next_report += every
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.stop()
                 raise ServerError(f"server exited with {code} during start-up; "
                                   f"log {self.log_path}:\n{self.log_tail()}")
-            if READY_LINE in self.log_text():
+            text = self.log_text()
+            if READY_LINE in text:
                 return
+            if BIND_ERROR in text and f"'127.0.0.1', {self.port})" in text:
+                self.stop()
+                raise _PortTaken(self.port)
             time.sleep(0.5)
         self.stop()
         raise ServerError(f"server not ready after {self.startup_timeout:.0f} s; "
@@ -158,18 +277,22 @@ class Server:
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the server's process group (launcher, scheduler, detokenizer:
-        started in a session of its own), SIGKILL what is left after `timeout`."""
+        started in a session of its own) so it shuts down cleanly; after
+        `timeout`, upstream's kill_process_tree kills and reaps what is left, and
+        the group is killed for any process that left the tree."""
+        from sglang.srt.utils import kill_process_tree
+
         p, self.proc = self.proc, None
         if p is None:
             return
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        # the launcher or any child still in the group
+        if p.poll() is None:  # still ours (a reaped pid may already be someone else's)
+            with contextlib.suppress(RuntimeError):  # not reaped in time: the group kill follows
+                kill_process_tree(p.pid, include_parent=True, wait_timeout=30)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -178,10 +301,10 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:  # noqa: PYI034 (Python 3.10 has no typing.Self)
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def log_text(self) -> str:
@@ -208,25 +331,34 @@ class Server:
                 raise ServerError(f"server died; log {self.log_path}:\n{self.log_tail()}") from e
             raise
 
-    def generate(self, input_ids: list[int], max_new_tokens: int = 8,
-                 extra: Optional[dict[str, Any]] = None) -> "Generation":
+    def get_text(self, path: str, timeout: float = 60.0) -> str:
+        """GET `path` (e.g. "/metrics" when started with --enable-metrics)."""
+        return self._request("GET", path, timeout=timeout).decode()
+
+    def generate(self, input_ids: list[int], max_new_tokens: int = 8, *,
+                 timeout: float = 600.0, rid: str | None = None,
+                 extra: dict[str, Any] | None = None) -> Generation:
         """Greedy generation, streamed: returns tokens, logprobs, the server's
         cached-token metadata, and the client-side time to the first token.
+        `timeout` bounds each socket wait (a hung server raises, never stalls).
         `extra`: more request fields (e.g. session_id)."""
-        body = json.dumps({
+        req_body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
             "return_logprob": True,
             "stream": True,
-            **(extra or {}),
-        }).encode()
+        }
+        req_body.update(extra or {})
+        if rid is not None:
+            req_body["rid"] = rid
+        body = json.dumps(req_body).encode()
         req = urllib.request.Request(self.base + "/generate", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
         ttft = None
         last = None
         try:
-            with urllib.request.urlopen(req, timeout=600) as f:
+            with urllib.request.urlopen(req, timeout=timeout) as f:
                 for raw in f:
                     line = raw.decode().strip()
                     if not line.startswith("data:"):
@@ -246,26 +378,34 @@ class Server:
             raise ServerError("empty streamed response")
         return Generation.from_response(last, len(input_ids), wall, ttft if ttft is not None else wall)
 
-    def post_json(self, path: str, body: Any = None, timeout: float = 300.0) -> Any:
-        """POST a JSON body, return the decoded JSON answer (or the raw text)."""
-        raw = self._request("POST", path, body if body is not None else {}, timeout)
+    def post(self, path: str, body: Any, timeout: float = 300.0) -> tuple[int, Any]:
+        """POST a JSON body; (HTTP status, decoded JSON or text) for any status."""
         try:
-            return json.loads(raw)
+            raw, status = self._request("POST", path, body, timeout=timeout), 200
+        except urllib.error.HTTPError as e:
+            raw, status = e.read(), e.code
+        try:
+            return status, json.loads(raw)
         except ValueError:
-            return raw.decode(errors="replace")
+            return status, raw.decode(errors="replace")
 
-    def flush_cache(self) -> None:
+    def flush_cache(self, timeout: float = 300.0) -> None:
         """POST /flush_cache (HTTP 200 = flushed; 400 = refused, e.g. requests in
-        flight: retried for a while)."""
+        flight: retried for a while). `timeout` bounds each attempt."""
         last = ""
         for _ in range(100):
             try:
-                self._request("POST", "/flush_cache")
+                self._request("POST", "/flush_cache", timeout=timeout)
                 return
             except urllib.error.HTTPError as e:
                 last = e.read().decode(errors="replace")
                 time.sleep(0.2)
         raise ServerError(f"/flush_cache kept refusing: {last}")
+
+    def abort(self, rid: str | None = None, timeout: float = 60.0) -> None:
+        """POST /abort_request for one request id (None: every request)."""
+        body = {"rid": rid or "", "abort_all": rid is None}
+        self._request("POST", "/abort_request", body, timeout=timeout)
 
 
 @dataclass
@@ -283,7 +423,7 @@ class Generation:
     meta: dict
 
     @classmethod
-    def from_response(cls, out: dict, prompt_len: int, wall: float, ttft: float) -> "Generation":
+    def from_response(cls, out: dict, prompt_len: int, wall: float, ttft: float) -> Generation:
         meta = out["meta_info"]
         details = meta.get("cached_tokens_details") or {}
         return cls(

@@ -12,7 +12,6 @@ and at the end every pool must be back to its baseline.
 from __future__ import annotations
 
 import random
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 

@@ -4,7 +4,8 @@ UnifiedRadixCache (Rust or Python tree core) + HybridCacheController +
 buffer-only HiCache + the `file` storage backend, over real device pools
 (HybridReqToTokenPool/MambaPool, HybridLinearKVPool) allocated on "cpu".
 Used by the integration tests, `make demo` and the soak benchmark; needs
-`sglang_l3.cpu.enable()` first. Nothing here re-implements upstream logic: it
+`sglang_l3.cpu.enable()` first (the stack then applies patch cpu-host-pools
+itself if the queue has not been applied since). Nothing here re-implements upstream logic: it
 only calls the APIs the scheduler calls, in the order it calls them.
 """
 
@@ -51,7 +52,7 @@ class HybridSpec:
 
     @property
     def extra_buffer(self) -> bool:
-        # Mamba page_size > 1 requires the extra-buffer strategy (upstream kit config.py:99).
+        # Mamba page_size > 1 requires the extra-buffer strategy (upstream's kit config).
         return self.page_size > 1
 
 
@@ -76,18 +77,47 @@ class RestoreFailed(AssertionError):
     pass
 
 
+# The scheduler polls HiCache events between batches; here this loop is that
+# scheduler. A restore waits on it twice (host buffers for a storage hit are
+# allocated on this thread; the staged hit is picked up by it), so its period is
+# part of every restore's fixed latency. 0.5 ms instead of 2 ms: p50 of a 3 MiB
+# restore 18.4 -> 13.9 ms with CPU to spare, no gain on a saturated machine
+# (benchmark/restore_latency.py); the rest is thread hand-offs, IO and the copy.
+PUMP_PERIOD_S = 0.0005
+
+
 def _pump(cache: Any, cond: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         cache.check_hicache_events()
         if cond():
             return
-        time.sleep(0.002)
+        time.sleep(PUMP_PERIOD_S)
     raise RestoreFailed(f"timed out waiting for: {what}")
 
 
+def ensure_cpu_host_pools() -> None:
+    """The CPU switch is on but the queue ran before it was (or never ran):
+    apply cpu-host-pools now, as sglang_l3.cpu.enable() used to."""
+    import sglang_l3.cpu
+    from sglang_l3.patches import framework
+
+    if framework.is_applied("cpu-host-pools") or not sglang_l3.cpu.enabled():
+        return
+    series = framework.load_series()
+    st = framework.apply_one(next(s for s in series if s.id == "cpu-host-pools"), series)
+    if st.state is not framework.State.APPLIED:
+        raise RuntimeError(f"cpu-host-pools: {st.state.value} ({st.detail})")
+
+
 class L3Stack:
-    """One cache instance (one "process") over a storage directory."""
+    """One cache instance (one "process") over a storage directory.
+
+    `storage_backend` is the `--hicache-storage-backend` name (default `file`,
+    sglang-l3's store; `mooncake` joins the store that `extra_config` names,
+    e.g. `sglang_l3.testing.mooncake.MooncakeCluster.extra_config()`).
+    `extra_config` is `--hicache-storage-backend-extra-config`.
+    """
 
     def __init__(
         self,
@@ -97,6 +127,7 @@ class L3Stack:
         tree_core: str = "rust",
         prefetch_threshold: int = 1,
         write_policy: str = "write_through",
+        storage_backend: str = "file",
         extra_config: Optional[dict[str, Any]] = None,
         server_args: Optional[dict[str, Any]] = None,
     ):
@@ -107,6 +138,7 @@ class L3Stack:
 
         if tree_core not in TREE_CORES:
             raise ValueError(f"tree_core must be one of {TREE_CORES}")
+        ensure_cpu_host_pools()
         self.spec = spec
         self.storage_dir = storage_dir
         self._exit = contextlib.ExitStack()
@@ -119,7 +151,7 @@ class L3Stack:
             hicache_io_backend="direct",
             hicache_mem_layout="page_first_direct",
             hicache_write_policy=write_policy,
-            hicache_storage_backend="file",
+            hicache_storage_backend=storage_backend,
             hicache_storage_backend_extra_config=json.dumps(cfg),
             hicache_storage_prefetch_policy="wait_complete",
             hicache_host_memory_mode="buffer_only",
@@ -134,7 +166,15 @@ class L3Stack:
             self.cache = UnifiedRadixCache(params=params)
         if self.cache._tree_core_backend != tree_core:
             raise RuntimeError(f"asked for tree core {tree_core}, got {self.cache._tree_core_backend}")
-        self.cache.init_hicache(self.server_args, params)
+        # The host pools here are a few MB, but upstream sizes them against free RAM
+        # minus a fixed 10 GiB reserve (pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES),
+        # which a busy test machine does not always have: book them against half of
+        # what is free instead, as upstream's own host_memory_budget_scope allows.
+        import psutil
+        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+        with host_memory_budget_scope(psutil.virtual_memory().available // 2):
+            self.cache.init_hicache(self.server_args, params)
         atexit.unregister(self.cache.shutdown)
         cc = self.cache.cache_controller
         cc.prefetch_capacity_limit = max(cc.prefetch_capacity_limit, cc.mem_pool_host.size)
@@ -380,10 +420,14 @@ class L3Stack:
 
     def restore(self, seq: list[int], rid: str) -> tuple[Any, int]:
         """Storage → staged → admission-style init_load_back → ack. Returns (req, loaded_len)."""
+        h, _ = self.prefetch(seq, rid)
+        return self.admit(h, seq, rid)
+
+    def admit(self, h: Any, seq: list[int], rid: str) -> tuple[Any, int]:
+        """Admission of a staged prefetch (handle `h`): prepare → init_load_back → ack."""
         from sglang.srt.managers.schedule_policy import PrefillAdder
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
-        h, _ = self.prefetch(seq, rid)
         if not self.cache.buffer_pipeline.has_staged(h):
             raise RestoreFailed(f"nothing staged for {rid}")
         req = self.new_req(rid, seq)

@@ -1,0 +1,435 @@
+#!/usr/bin/env python3
+"""Streamed L3 restore at real model sizes: storage -> small host buffer -> device.
+
+One rank of TP=2 for Qwen3-Next-80B-A3B and Qwen3.5-27B, through the real upstream
+cache stack on CPU (`sglang_l3.testing.stack.L3Stack`: UnifiedRadixCache +
+HybridCacheController + buffer-only HiCache) and our store (patch store-file), with
+the streamed patches (issue 11). Per row (model, context, host staging buffer):
+tokens, bytes, restore seconds (storage -> device, cold page cache), GB/s, the
+store's own cold read GB/s of the same KV pages in the same run, CPU-seconds per
+GiB, and upstream's result on the same row (restored tokens with the patch
+`streamed-restore` undone in-process; 0 where upstream declines).
+
+Per-rank sizes (TP=2) from the models' public config.json fields
+(HF `text_config` for Qwen3.5): full-attention layers = num_hidden_layers /
+full_attention_interval, the rest Gated-DeltaNet (GDN) layers; KV in bf16; the GDN
+temporal state in fp32 (SGLang's default mamba ssm dtype), the conv state in bf16;
+heads split by TP.
+
+  Qwen3-Next-80B-A3B: num_hidden_layers=48, full_attention_interval=4 -> 12 full, 36 GDN;
+    num_key_value_heads=2, head_dim=256; linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4.
+    KV / token / rank  = 12 layers x 2 (K,V) x (2/2) heads x 256 x 2 B        = 12,288 B
+    GDN state / rank   = 36 x [ (32/2) x 128 x 128 x 4 B                        (temporal)
+                               + (2x16x128 + 32x128)/2 x (4-1) x 2 B ]           (conv)
+                       = 36 x (1,048,576 + 24,576)                            = 38,633,472 B
+  Qwen3.5-27B: num_hidden_layers=64, full_attention_interval=4 -> 16 full, 48 GDN;
+    num_key_value_heads=4, head_dim=256; linear_num_key_heads=16,
+    linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4.
+    KV / token / rank  = 16 x 2 x (4/2) x 256 x 2 B                            = 32,768 B
+    GDN state / rank   = 48 x [ (48/2) x 128 x 128 x 4 B + (2x16x128 + 48x128)/2 x 3 x 2 B ]
+                       = 48 x (1,572,864 + 30,720)                            = 76,972,032 B
+
+Contexts 8K, 32K, 128K (256K with --contexts when memory allows); host staging
+buffers 1/16, 1/4 and 1.2 x the context. On a machine smaller than a serving host,
+`--contexts` and `--max-gib` scale the run down (rows over the memory budget are
+printed as skipped). The writer uses a 1/4 buffer (streamed write). Cold reads:
+page cache dropped (or fadvise(DONTNEED) per file without root) before every read.
+Not a test: numbers only. The last line is exactly
+
+  restore_vs_store=R small_buffer_restored=F upstream_small_buffer_restored=U
+
+R = end-to-end restore GB/s / store read GB/s at the largest context with the 1/16
+buffer (the smaller of the models' ratios), F and U = fraction of tokens restored
+with the 1/16 buffer (ours: the smallest over rows; upstream: the largest).
+
+Example: nice -n 10 python benchmark/restore_bench.py --contexts 8192,32768,131072
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TP = 2
+PAGE = 64
+BUFFERS = (("1/16", 1 / 16), ("1/4", 1 / 4), ("1.2", 1.2))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The config.json fields the per-rank cache sizes derive from."""
+
+    name: str
+    num_hidden_layers: int
+    full_attention_interval: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+
+    @property
+    def full_layers(self) -> list[int]:
+        n = self.full_attention_interval
+        return [i for i in range(self.num_hidden_layers) if (i + 1) % n == 0]
+
+    def kv_bytes_per_token(self, tp: int = TP) -> int:
+        return (
+            len(self.full_layers)
+            * 2
+            * (self.num_key_value_heads // tp)
+            * self.head_dim
+            * 2
+        )
+
+    def conv_dim(self, tp: int = TP) -> int:
+        k = self.linear_num_key_heads * self.linear_key_head_dim
+        v = self.linear_num_value_heads * self.linear_value_head_dim
+        return (2 * k + v) // tp
+
+    def state_bytes(self, tp: int = TP) -> int:
+        gdn = self.num_hidden_layers - len(self.full_layers)
+        temporal = (
+            (self.linear_num_value_heads // tp)
+            * self.linear_key_head_dim
+            * self.linear_value_head_dim
+            * 4
+        )
+        conv = self.conv_dim(tp) * (self.linear_conv_kernel_dim - 1) * 2
+        return gdn * (temporal + conv)
+
+
+MODELS = (
+    ModelShape("Qwen3-Next-80B-A3B", 48, 4, 2, 256, 16, 32, 128, 128, 4),
+    ModelShape("Qwen3.5-27B", 64, 4, 4, 256, 16, 48, 128, 128, 4),
+)
+
+
+def hybrid_spec(m: ModelShape, context: int, tp: int = TP) -> Any:
+    """An L3Stack spec with one TP rank's shapes of model `m` for `context` tokens."""
+    from sglang_l3.testing.stack import HybridSpec
+
+    return HybridSpec(
+        page_size=PAGE,
+        num_layers=m.num_hidden_layers,
+        full_attention_layer_ids=tuple(m.full_layers),
+        kv_size=context + 4 * PAGE,
+        head_num=m.num_key_value_heads // tp,
+        head_dim=m.head_dim,
+        dtype=torch.bfloat16,
+        max_num_reqs=2,
+        max_context_len=context + 2 * PAGE,
+        mamba_cache_size=4,
+        mamba_intermediate_size=(m.linear_num_value_heads // tp)
+        * m.linear_value_head_dim,
+        mamba_n_groups=m.linear_num_key_heads // tp,
+        mamba_num_heads=m.linear_num_value_heads // tp,
+        mamba_head_dim=m.linear_value_head_dim,
+        mamba_state_size=m.linear_key_head_dim,
+        mamba_conv_kernel=m.linear_conv_kernel_dim,
+        ssm_dtype="float32",
+    )
+
+
+def buffer_args(spec: Any, tokens: int) -> dict:
+    return {"hicache_ratio": max(tokens, PAGE) / spec.kv_size}
+
+
+def drop_page_cache(path: str) -> str:
+    """Make the next read of `path`'s files cold; returns how."""
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            os.sync()
+            f.write("1\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    os.sync()
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "fadvise(DONTNEED)"
+
+
+def write_context(
+    m: ModelShape, context: int, store: str
+) -> tuple[list[int], list[str]]:
+    """Write one `context`-token sequence through a 1/4 buffer; return (tokens, KV page keys)."""
+    from sglang_l3.testing.stack import L3Stack
+
+    spec = hybrid_spec(m, context)
+    seq = [(i * 7919) % 150_000 + 1 for i in range(context)]
+    with L3Stack(spec, store, server_args=buffer_args(spec, context // 4)) as w:
+        w.write(seq, marker=2.0)
+        w.settle(timeout=3600)
+        node = w.match(seq).last_device_node
+        keys = list(w.cache.tree_core.snapshot_buffer_backup(node, False).hash_values)
+    gc.collect()
+    return seq, keys
+
+
+def measure_restore(
+    m: ModelShape, seq: list[int], store: str, buffer_tokens: int
+) -> dict:
+    """Cold storage -> device restore through a `buffer_tokens` host buffer."""
+    from sglang_l3.testing.stack import L3Stack, RestoreFailed
+
+    spec = hybrid_spec(m, len(seq))
+    with L3Stack(spec, store, server_args=buffer_args(spec, buffer_tokens)) as st:
+        cc = st.cache.cache_controller
+        cc.prefetch_capacity_limit = int(
+            0.9 * cc.mem_pool_host.size
+        )  # upstream's limit
+        host = cc.mem_pool_host.size
+        how = drop_page_cache(store)
+        c0, t0 = time.process_time(), time.perf_counter()
+        try:
+            req, loaded = restore_busy(st, seq)
+        except RestoreFailed:
+            req, loaded = None, 0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        exact = None
+        if req is not None:
+            k, _ = st.expected_kv(seq)
+            exact = bool(st.snapshot(st.match(seq).last_device_node, None).k.equal(k))
+            st.release(req)
+    return {
+        "host": host,
+        "loaded": loaded,
+        "wall": wall,
+        "cpu": cpu,
+        "exact": exact,
+        "cold": how,
+    }
+
+
+def restore_busy(st: Any, seq: list[int]) -> tuple[Any, int]:
+    """`L3Stack.restore` with the scheduler's cadence: ticks back to back (the
+    harness's own pump sleeps 2 ms per tick, which a serving loop does not)."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+    from sglang_l3.testing.stack import RestoreFailed
+
+    cache = st.cache
+    bp = cache.buffer_pipeline
+    h = CacheRequestHandle("bench", 0)
+    cache.prefetch_from_storage(
+        h, cache.root_node_handle(), array("q", seq), None, None
+    )
+    deadline = time.monotonic() + 3600
+    while not (
+        cache.check_prefetch_progress(h)
+        and (bp.has_staged(h) or h not in bp.staged_prefetches)
+    ):
+        if time.monotonic() > deadline:
+            raise RestoreFailed("prefetch did not finish")
+        cache.check_hicache_events()
+        time.sleep(0)  # let the store's threads take the GIL
+    cache.pop_prefetch_loaded_tokens(h)
+    if not bp.has_staged(h):
+        return None, 0
+    return st.admit(h, seq, "bench")
+
+
+def measure_upstream(
+    m: ModelShape, seq: list[int], store: str, buffer_tokens: int
+) -> int:
+    """Tokens upstream restores on the same row (the streamed-restore patch undone)."""
+    from sglang_l3.patches import framework
+
+    spec = next(s for s in framework.load_series() if s.id == "streamed-restore")
+    framework.undo("streamed-restore")
+    try:
+        return measure_restore(m, seq, store, buffer_tokens)["loaded"]
+    finally:
+        framework.apply_one(spec)
+
+
+def measure_store_read(
+    m: ModelShape, keys: list[str], store: str, context: int
+) -> dict:
+    """The store's own cold read of the same KV pages into a host pool (batch_get_v1)."""
+    from sglang_l3.testing.stack import L3Stack
+
+    spec = hybrid_spec(m, context)
+    with L3Stack(spec, store, server_args=buffer_args(spec, int(1.2 * context))) as st:
+        cc = st.cache.cache_controller
+        host = cc.mem_pool_host.alloc(len(keys) * PAGE)
+        drop_page_cache(store)
+        t0 = time.perf_counter()
+        ok = 0
+        for i in range(0, len(keys), 128):
+            batch = keys[i : i + 128]
+            res = cc.storage_backend.batch_get_v1(
+                batch, host[i * PAGE : (i + len(batch)) * PAGE]
+            )
+            ok += sum(bool(x) for x in res)
+        wall = time.perf_counter() - t0
+        cc.mem_pool_host.free(host)
+    gc.collect()
+    return {"pages": ok, "wall": wall}
+
+
+def row_gib(m: ModelShape, context: int, buffer_tokens: int) -> float:
+    """Memory a row needs: device KV + host buffer + a few states."""
+    kv = m.kv_bytes_per_token() * (context + buffer_tokens)
+    return (kv + 6 * m.state_bytes()) / 2**30
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--contexts", default="8192,32768,131072", help="comma-separated token counts"
+    )
+    ap.add_argument("--models", default=",".join(m.name for m in MODELS))
+    ap.add_argument(
+        "--max-gib",
+        type=float,
+        default=None,
+        help="skip rows needing more memory (default: 60%% of MemAvailable)",
+    )
+    ap.add_argument(
+        "--dir", default=None, help="store directory (default: a temp dir, removed)"
+    )
+    args = ap.parse_args(argv)
+
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.disable(logging.WARNING)
+    import sglang_l3.cpu
+
+    sglang_l3.cpu.enable()
+    from sglang_l3.patches import framework
+
+    framework.apply_all(
+        [s for s in framework.load_series() if s.group in ("hicache", "storage")]
+    )
+    import sglang.srt.mem_cache.pool_host.base as host_base
+
+    # Upstream keeps 10 GiB of host RAM free for the serving process; this benchmark
+    # is the only process, and its own budget is --max-gib.
+    host_base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 1 << 30
+
+    if args.max_gib is None:
+        with open("/proc/meminfo") as f:
+            avail = next(
+                int(line.split()[1]) for line in f if line.startswith("MemAvailable")
+            )
+        args.max_gib = 0.6 * avail / 2**20
+    contexts = [int(x) for x in args.contexts.split(",")]
+    models = [m for m in MODELS if m.name in args.models.split(",")]
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+    print(
+        f"# per-rank sizes, TP={TP}, page {PAGE}; memory budget {args.max_gib:.1f} GiB (upstream host reserve lowered to 1 GiB)"
+    )
+    for m in models:
+        print(
+            f"# {m.name}: KV {m.kv_bytes_per_token()} B/token, GDN state {m.state_bytes()} B"
+        )
+    hdr = (
+        f"{'model':20s} {'context':>8s} {'buffer':>6s} {'host_tok':>8s} {'tokens':>8s} {'bytes':>12s} "
+        f"{'restore_s':>9s} {'GB/s':>6s} {'store_GB/s':>10s} {'ratio':>6s} {'cpu_s/GiB':>9s} {'exact':>5s} {'upstream':>8s}"
+    )
+    print(hdr)
+    small: list[tuple[int, float, float, float]] = []  # (context, R, F, U)
+    for m in models:
+        for context in contexts:
+            if row_gib(m, context, int(1.2 * context)) > args.max_gib:
+                print(
+                    f"{m.name:20s} {context:>8d}  skipped: needs ~{row_gib(m, context, int(1.2 * context)):.1f} GiB > budget"
+                )
+                continue
+            root = args.dir or tempfile.mkdtemp(prefix="restore-bench-")
+            store = os.path.join(root, f"{m.name}-{context}")
+            try:
+                log(f"[{m.name} {context}] writing ...")
+                seq, keys = write_context(m, context, store)
+                kv_bytes = len(keys) * PAGE * m.kv_bytes_per_token()
+                read = measure_store_read(m, keys, store, context)
+                store_gbps = (
+                    kv_bytes / read["wall"] / 1e9
+                    if read["pages"] == len(keys)
+                    else float("nan")
+                )
+                for label, frac in BUFFERS:
+                    buf = max(PAGE, int(frac * context) // PAGE * PAGE)
+                    log(f"[{m.name} {context}] buffer {label} ({buf} tokens) ...")
+                    ours = measure_restore(m, seq, store, buf)
+                    up = measure_upstream(m, seq, store, buf)
+                    total = ours["loaded"] * m.kv_bytes_per_token() + (
+                        m.state_bytes() if ours["loaded"] else 0
+                    )
+                    gbps = total / ours["wall"] / 1e9 if ours["loaded"] else 0.0
+                    cpu_gib = ours["cpu"] / (total / 2**30) if total else float("nan")
+                    ratio = (
+                        gbps / store_gbps
+                        if not math.isnan(store_gbps)
+                        else float("nan")
+                    )
+                    print(
+                        f"{m.name:20s} {context:>8d} {label:>6s} {ours['host']:>8d} {ours['loaded']:>8d} {total:>12d} "
+                        f"{ours['wall']:>9.3f} {gbps:>6.2f} {store_gbps:>10.2f} {ratio:>6.2f} {cpu_gib:>9.2f} "
+                        f"{ours['exact']!s:>5s} {up:>8d}",
+                        flush=True,
+                    )
+                    if label == "1/16":
+                        small.append(
+                            (context, ratio, ours["loaded"] / len(seq), up / len(seq))
+                        )
+            except (ValueError, RuntimeError, MemoryError) as e:
+                # e.g. upstream's host-memory check on a machine shared with other jobs
+                print(
+                    f"{m.name:20s} {context:>8d}  failed: {type(e).__name__}: {str(e)[:120]}",
+                    flush=True,
+                )
+            finally:
+                shutil.rmtree(store, ignore_errors=True)
+                if args.dir is None:
+                    shutil.rmtree(root, ignore_errors=True)
+    if not small:
+        print(
+            "restore_vs_store=nan small_buffer_restored=nan upstream_small_buffer_restored=nan"
+        )
+        return 1
+    largest = max(c for c, *_ in small)
+    r = min(x for c, x, _, _ in small if c == largest)
+    f = min(x for _, _, x, _ in small)
+    u = max(x for _, _, _, x in small)
+    print(
+        f"restore_vs_store={r:.2f} small_buffer_restored={f:.2f} upstream_small_buffer_restored={u:.2f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Patch `input-ids-check`: a request whose `input_ids` the model cannot embed is
+a 400 for that request, not the end of the server.
+
+0.5.23 checks the length of caller-supplied `input_ids` but not their values
+(TokenizerManager._validate_one_request, managers/tokenizer_manager.py:1307;
+only token_ids_logprob is range-checked, :1513-1531). With
+`--skip-tokenizer-init` an id >= the vocabulary size reaches the scheduler and
+raises `IndexError: index out of range in self` in VocabParallelEmbedding; the
+scheduler dies and the launcher kills the whole tree (SIGQUIT,
+kill_process_tree). A float, a string or a nested list fails the same way or
+worse.
+
+BEFORE `_validate_one_request` the ids the caller supplied are checked (ints,
+0 <= id < vocab size); a bad one raises ValueError naming its position, which
+http_server turns into HTTP 400 (entrypoints/http_server.py:988-990) while the
+server keeps serving. Ids produced by the server's own tokenizer or multimodal
+processor are not re-checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_l3.patches.framework import PatchContext
+
+_TM = "sglang.srt.managers.tokenizer_manager:TokenizerManager"
+
+
+def first_bad_id(ids: Any, vocab_size: int) -> str | None:
+    """None when `ids` is a flat list of ints in [0, vocab_size); else why not,
+    naming the first bad position."""
+    if not isinstance(ids, (list, tuple)):
+        return f"input_ids must be a list of integers, got {type(ids).__name__}"
+    # fast path: C-level scans (a long prompt costs microseconds per thousand ids)
+    if all(type(x) is int for x in ids) and (
+        not ids or (min(ids) >= 0 and max(ids) < vocab_size)
+    ):
+        return None
+    for pos, x in enumerate(ids):
+        if isinstance(x, bool) or not isinstance(x, int):
+            return f"input_ids[{pos}] is {x!r} ({type(x).__name__}), not an integer token id"
+        if not 0 <= x < vocab_size:
+            return (
+                f"input_ids[{pos}] = {x} is out of range: this model's token ids are "
+                f"0..{vocab_size - 1} (vocab size {vocab_size})"
+            )
+    return None
+
+
+def _check(self: Any, obj: Any, input_ids: Any) -> None:
+    # only ids the caller supplied: input_embeds requests carry no ids to embed,
+    # and a multimodal processor may substitute its own (pad values) for them
+    if (
+        getattr(obj, "input_ids", None) is None
+        or getattr(obj, "input_embeds", None) is not None
+    ):
+        return
+    contains_mm = getattr(obj, "contains_mm_input", None)
+    if callable(contains_mm) and contains_mm():
+        return
+    vocab_size = int(self.model_config.vocab_size)
+    problem = first_bad_id(input_ids, vocab_size)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def apply(ctx: PatchContext) -> None:
+    def before(self: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any) -> None:
+        _check(self, obj, input_ids)
+
+    ctx.before(f"{_TM}._validate_one_request", before)

@@ -1,0 +1,560 @@
+"""Patch `streamed-restore`: an L3 hit larger than the host staging buffer restores in rounds.
+
+0.5.23 declines a storage hit whose bounce does not fit an *empty* host arena
+(`BufferModePipeline._reject_oversized_prefetch`, buffer_mode/pipeline.py 1276-1289,
+counter `declined_host_oversize`): with a RAM buffer smaller than a context, the
+context is recomputed although it sits whole on the SSD.
+
+Design (R-B of the streamed-staging study, with the rounds driven by a lane of our
+own rather than by upstream's prefetch thread):
+
+- The hit of length h starting at J (end of the device prefix) is split into
+  |R| = (k-1)·p tokens of private device rows R and a last piece r = h - |R| <= p,
+  p = a page-aligned fraction of the host KV pool (SGLANG_L3_STREAM_PIECE, 0.4).
+- Rounds 1..k-1 (KV only): one reader thread reads piece i from the store into
+  host slots (`cc.page_get_func`, as upstream's IO thread does) while the scheduler
+  thread copies piece i-1 host -> R and frees its slots; at most two pieces are in
+  flight, counted in `prefetch_tokens_occupied` so writes yield to them.
+  Completion is MIN-reduced across TP ranks at the end of `check_hicache_events`,
+  so every rank lands, fails or aborts the same piece at the same tick.
+- Meanwhile upstream's operation stays parked (`allocate_and_queue_prefetch`
+  returns False, the path upstream uses for a host shortfall; parked ops hold no
+  anchor pin) and `check_prefetch_progress` holds the request, whatever the prefetch
+  stop policy. J stays pinned by our own full pin on the anchor node.
+- Round k is upstream's own prefetch, trimmed by |R| (`_trim_buffer_prefetch_full_head`):
+  the last piece and the Mamba checkpoint at P through upstream's thread, ack drain
+  and `stage_completed_prefetch`. The staged hold is then widened to [J, P).
+- At admission, upstream's `_allocate_and_queue_load_back` runs on the last piece
+  only (the plan shifted by |R|); its device rows are prefixed by R (the head R is
+  freed where the device prefix grew past J), so `init_load_back` publishes
+  [J, P) in one insert with the Mamba state, and the re-anchor checks hold.
+  `PrefillAdder.add_one_req` is credited the |R| rows it would otherwise charge
+  twice (already allocated, yet counted as new tokens of the span).
+- R, the pin and host pieces are freed exactly once on every exit: storage error in
+  a piece (the prefetch is revoked, the request recomputes, KV beliefs healed),
+  abort (upstream retires the op; our tick sees it gone), a staged hold released
+  (abort, shrunk, device capacity), or `reset` (pools are cleared wholesale there).
+- A hit the stream cannot take (device rows short, shared host layout, SWA) is left
+  to upstream, which declines it; counted in `l3_stream_restore{declined_*}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from typing import Any
+
+import msgspec
+import torch
+
+from sglang_l3 import metrics
+from sglang_l3.patches.framework import PatchContext
+
+logger = logging.getLogger("sglang_l3.streamed_restore")
+
+PIPE = "sglang.srt.mem_cache.buffer_mode.pipeline:BufferModePipeline"
+URC = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
+ADDER = "sglang.srt.managers.schedule_policy:PrefillAdder"
+ENV_PIECE = "SGLANG_L3_STREAM_PIECE"  # fraction of the host KV pool per piece
+DEFAULT_PIECE_FRACTION = 0.4
+MAX_INFLIGHT = 2  # pieces per stream: read piece i+1 while piece i is copied
+READ_BATCH_PAGES = 128  # pages per store call (upstream's STORAGE_BATCH_SIZE)
+
+
+@dataclasses.dataclass
+class _Piece:
+    first_page: int  # within R
+    pages: int
+    host: torch.Tensor
+    future: Future
+
+
+@dataclasses.dataclass
+class Stream:
+    handle: Any
+    op: Any
+    start: int  # J: absolute token position where the hit begins
+    hit: int  # h: tokens from J to the hit end P
+    rows: torch.Tensor  # R: private device rows for [J, J + |R|)
+    keys: list[str]  # page hashes of R
+    prefix_keys: list[str] | None
+    piece_pages: int
+    pin: Any = None
+    state: str = "reading"  # reading -> ready -> final -> staged; or aborting
+    next_page: int = 0
+    landed_pages: int = 0
+    pieces: deque = dataclasses.field(default_factory=deque)
+    reason: str = ""
+    f: tuple | None = (
+        None  # (matched_len, num_tokens, hash_values) of the last piece's staged hold
+    )
+
+    @property
+    def r_tokens(self) -> int:
+        return len(self.rows)
+
+
+class Lane:
+    """Per-pipeline stream state; only the scheduler thread touches it (the reader
+    thread only fills host slots and completes futures)."""
+
+    def __init__(self) -> None:
+        self.streams: dict[Any, Stream] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    1, thread_name_prefix="l3-stream-read"
+                )
+            return self._executor
+
+    def wait_reads(self) -> None:
+        futures_wait([pc.future for s in self.streams.values() for pc in s.pieces])
+
+
+def lane_of(pipe: Any) -> Lane:
+    lane = pipe.__dict__.get("_l3_stream_lane")
+    if lane is None:
+        lane = pipe.__dict__["_l3_stream_lane"] = Lane()
+    return lane
+
+
+def piece_tokens(pipe: Any) -> int:
+    cache = pipe._cache
+    page = cache.page_size
+    pool = cache.cache_controller.mem_pool_host.size
+    frac = float(os.environ.get(ENV_PIECE, DEFAULT_PIECE_FRACTION))
+    return max(page, int(pool * frac) // page * page)
+
+
+# --------------------------------------------------------------------------- IO
+def _read_piece(
+    cc: Any, op: Any, keys: list[str], host: torch.Tensor, prefix_keys: list[str] | None
+) -> int:
+    """Store -> host slots (reader thread). Returns the leading pages read."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    page = cc.page_size
+    done = 0
+    prefix = list(prefix_keys) if prefix_keys is not None else None
+    with cc.mem_pool_host.layout_lease():
+        for i in range(0, len(keys), READ_BATCH_PAGES):
+            batch = keys[i : i + READ_BATCH_PAGES]
+            try:
+                hit = cc.page_get_func(
+                    op,
+                    batch,
+                    host[i * page : (i + len(batch)) * page],
+                    HiCacheStorageExtraInfo(prefix_keys=prefix),
+                )
+            except Exception:
+                logger.exception(
+                    "streamed restore: store read failed (req %s)", op.request_id
+                )
+                return done
+            done += hit
+            if hit != len(batch):
+                return done
+            if prefix is not None:
+                prefix = prefix + batch
+    return done
+
+
+def _copy_to_device(cc: Any, host: torch.Tensor, rows: torch.Tensor) -> None:
+    """Host piece -> private device rows, all layers, synchronously (scheduler thread)."""
+    entry = cc.mem_pool_host.anchor_entry
+    hp = entry.host_pool
+    h, d = cc.move_indices(host, rows)
+    for layer in range(getattr(hp, "target_layer_num", hp.layer_num)):
+        hp.load_to_device_per_layer(entry.device_pool, h, d, layer, cc.io_backend)
+    if rows.is_cuda:
+        torch.cuda.current_stream().synchronize()
+
+
+# --------------------------------------------------------------------- lifecycle
+def _start(pipe: Any, op: Any, hit_tokens: int) -> Stream | None:
+    cache = pipe._cache
+    cc = cache.cache_controller
+    handle = op.handle
+    page = cache.page_size
+
+    def decline(reason: str) -> None:
+        metrics.inc("l3_stream_restore", f"declined_{reason}")
+        logger.warning(
+            "streamed restore declined req=%s reason=%s hit=%d",
+            handle.rid,
+            reason,
+            hit_tokens,
+        )
+
+    if cache.supports_swa() or pipe._shared_host_domain() is not None:
+        decline("layout")
+        return None
+    ctx = pipe._prefetch_prefix_ctx.get(handle)
+    if ctx is None or len(ctx[0]) != op.storage_start or hit_tokens % page:
+        decline("layout")
+        return None
+    p = piece_tokens(pipe)
+    k = -(-hit_tokens // p)
+    r_len = (k - 1) * p
+    if r_len <= 0 or not cc.can_fit_prefetch_host_buffers(op, hit_tokens - r_len):
+        decline("host_too_small")
+        return None
+    allocator = cache.token_to_kv_pool_allocator
+    avail = allocator.available_size()
+    if avail < r_len:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        cache.evict_for_alloc(EvictParams(num_tokens=r_len - avail))
+    rows = allocator.alloc(r_len) if allocator.available_size() >= r_len else None
+    if rows is None:
+        decline("device_short")
+        return None
+    lock = pipe.anchor_locks.get(handle)
+    pin = None
+    if lock is not None:
+        cache.tree_core.inc_full_pin(lock.node_id)
+        pin = lock.node_id
+    s = Stream(
+        handle=handle,
+        op=op,
+        start=op.storage_start,
+        hit=hit_tokens,
+        rows=rows,
+        keys=list(op.hash_value[: r_len // page]),
+        prefix_keys=list(op.prefix_keys) if op.prefix_keys is not None else None,
+        piece_pages=p // page,
+        pin=pin,
+    )
+    lane_of(pipe).streams[handle] = s
+    metrics.inc("l3_stream_restore", "started")
+    logger.info(
+        "streamed restore req=%s start=%d hit=%d rows=%d piece=%d rounds=%d",
+        handle.rid,
+        s.start,
+        hit_tokens,
+        r_len,
+        p,
+        k,
+    )
+    _launch_reads(pipe, s)
+    return s
+
+
+def _launch_reads(pipe: Any, s: Stream) -> None:
+    cc = pipe._cache.cache_controller
+    page = pipe._cache.page_size
+    total = len(s.keys)
+    while s.state == "reading" and len(s.pieces) < MAX_INFLIGHT and s.next_page < total:
+        n = min(s.piece_pages, total - s.next_page)
+        host = cc.mem_pool_host.alloc(n * page)
+        if host is None:
+            return  # host busy (writes, other staging): retry next tick
+        cc.prefetch_tokens_occupied += n * page
+        keys = s.keys[s.next_page : s.next_page + n]
+        prefix = (
+            None if s.prefix_keys is None else s.prefix_keys + s.keys[: s.next_page]
+        )
+        fut = lane_of(pipe).executor().submit(_read_piece, cc, s.op, keys, host, prefix)
+        s.pieces.append(_Piece(s.next_page, n, host, fut))
+        s.next_page += n
+
+
+def _free_piece(pipe: Any, pc: _Piece) -> None:
+    cc = pipe._cache.cache_controller
+    cc.mem_pool_host.free(pc.host)
+    cc.prefetch_tokens_occupied -= len(pc.host)
+
+
+def _end(pipe: Any, s: Stream, outcome: str, *, free_rows: bool = True) -> None:
+    """Release what the stream still owns (rows, pin) exactly once."""
+    lane = lane_of(pipe)
+    if lane.streams.get(s.handle) is not s:
+        return
+    del lane.streams[s.handle]
+    assert not s.pieces, "stream ended with host pieces in flight"
+    if free_rows and len(s.rows):
+        pipe._cache.token_to_kv_pool_allocator.free(s.rows)
+    if s.pin is not None:
+        pipe._cache.tree_core.dec_full_pin(s.pin)
+        s.pin = None
+    metrics.inc("l3_stream_restore", outcome)
+
+
+def _abort(pipe: Any, s: Stream, reason: str) -> None:
+    if s.state == "aborting":
+        return
+    s.state, s.reason = "aborting", reason
+    logger.warning(
+        "streamed restore aborted req=%s reason=%s landed=%d/%d",
+        s.handle.rid,
+        reason,
+        s.landed_pages,
+        len(s.keys),
+    )
+
+
+def _tick(cache: Any) -> None:
+    """Once per check_hicache_events, identical on every rank: land the pieces every
+    rank has read, start the next reads, end aborted streams."""
+    pipe = cache.buffer_pipeline
+    lane = lane_of(pipe)
+    if not lane.streams:
+        return
+    streams = list(lane.streams.values())
+    flags = []
+    for s in streams:
+        pcs = list(s.pieces)[:MAX_INFLIGHT]
+        for i in range(MAX_INFLIGHT):
+            if i < len(pcs) and pcs[i].future.done():
+                ok = (
+                    pcs[i].future.exception() is None
+                    and pcs[i].future.result() == pcs[i].pages
+                )
+                flags += [1, int(ok)]
+            else:
+                flags += [0, 1]
+    t = torch.tensor(flags, dtype=torch.int32)
+    cache._all_reduce(t, torch.distributed.ReduceOp.MIN)
+    agreed = t.tolist()
+    cc = cache.cache_controller
+    page = cache.page_size
+    for j, s in enumerate(streams):
+        info = cache.ongoing_prefetch.get(s.handle)
+        if s.state in ("reading", "ready", "final") and (
+            info is None or info.operation is not s.op
+        ):
+            _abort(pipe, s, "aborted")
+        for i in range(MAX_INFLIGHT):
+            done, ok = agreed[
+                j * 2 * MAX_INFLIGHT + 2 * i : j * 2 * MAX_INFLIGHT + 2 * i + 2
+            ]
+            if not done:
+                break
+            pc = s.pieces.popleft()
+            if s.state == "aborting":
+                pass
+            elif ok:
+                a = pc.first_page * page
+                _copy_to_device(cc, pc.host, s.rows[a : a + pc.pages * page])
+                s.landed_pages += pc.pages
+                metrics.inc("l3_stream_restore_pieces")
+            else:
+                _storage_error(cache, s, pc)
+            _free_piece(pipe, pc)
+        if s.state == "aborting":
+            if not s.pieces:
+                _end(pipe, s, s.reason)
+            continue
+        if s.state == "reading":
+            _launch_reads(pipe, s)
+            if s.landed_pages == len(s.keys):
+                s.state = "ready"
+
+
+def _storage_error(cache: Any, s: Stream, pc: _Piece) -> None:
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    # The hit query vouched for these pages; heal beliefs so the next insert rewrites.
+    cache.storage_existence_cache.pool(PoolName.KV).invalidate_beyond(
+        s.keys, pc.first_page
+    )
+    _abort(cache.buffer_pipeline, s, "storage_error")
+    if cache.ongoing_prefetch.get(s.handle) is not None:
+        # Parked op, no host slots of upstream's: the request recomputes.
+        cache.revoke_pending_prefetch(s.handle)
+
+
+# ------------------------------------------------------------------------ hooks
+def apply(ctx: PatchContext) -> None:
+    def allocate(
+        orig: Any, self: Any, op: Any, info: Any, hit_tokens: int, aux_hit_tokens: int
+    ) -> bool:
+        lane = lane_of(self)
+        s = lane.streams.get(op.handle)
+        if s is None:
+            if self._cache.cache_controller.can_fit_prefetch_host_buffers(
+                op, hit_tokens
+            ):
+                return orig(self, op, info, hit_tokens, aux_hit_tokens)
+            if _start(self, op, hit_tokens) is None:
+                return orig(
+                    self, op, info, hit_tokens, aux_hit_tokens
+                )  # upstream declines
+            self.release_anchor_lock(
+                op.handle
+            )  # parked ops hold no pin; ours is separate
+            return False
+        if s.op is not op or s.state not in ("reading", "ready"):
+            return orig(self, op, info, hit_tokens, aux_hit_tokens)
+        if s.state == "reading":
+            self.release_anchor_lock(op.handle)
+            return False
+        # Final round: upstream's own prefetch of the last piece + the Mamba checkpoint.
+        cache = self._cache
+        trim = s.start + s.r_tokens - op.storage_start
+        if trim < 0:
+            # The device prefix grew past R meanwhile: R is redundant, upstream takes over.
+            _end(self, s, "device_covered")
+            return orig(self, op, info, hit_tokens, aux_hit_tokens)
+        if not cache.cache_controller.can_fit_prefetch_host_buffers(
+            op, hit_tokens - trim
+        ) or (
+            cache.cache_controller.mem_pool_host.anchor_entry.host_pool.available_size()
+            < hit_tokens - trim
+        ):
+            self.release_anchor_lock(op.handle)
+            return False
+        if trim:
+            info, hit_tokens, aux_hit_tokens = cache._trim_buffer_prefetch_full_head(
+                op.handle, info, op, op.storage_start + trim, hit_tokens
+            )
+        s.state = "final"
+        queued = orig(self, op, info, hit_tokens, aux_hit_tokens)
+        if not queued:
+            _abort(self, s, "final_deferred")
+        return queued
+
+    def stage(
+        orig: Any, self: Any, request: Any, num_tokens: int, hash_value: list
+    ) -> bool:
+        s = lane_of(self).streams.get(request)
+        if s is None or s.state != "final":
+            return orig(self, request, num_tokens, hash_value)
+        res = orig(self, request, num_tokens, hash_value)
+        f = self.staged_prefetches.get(request)
+        end = s.start + s.hit
+        if (
+            f is None
+            or f.matched_len != s.start + s.r_tokens
+            or f.matched_len + f.num_tokens != end
+        ):
+            _abort(self, s, "final_short")
+            _end(self, s, "final_short")
+            return res
+        s.f = (
+            f.matched_len,
+            f.num_tokens,
+            list(f.hash_values),
+        )  # the last piece, for admission
+        f.matched_len = s.start
+        f.num_tokens = end - s.start
+        f.hash_values = s.keys + list(f.hash_values)
+        cache = self._cache
+        cache.prefetch_loaded_tokens_by_reqid[request] = f.num_tokens
+        cache.prefetch_loaded_storage_start_by_reqid[request] = s.start
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        cache.storage_existence_cache.pool(PoolName.KV).add(s.keys)
+        s.state = "staged"
+        return res
+
+    def load_back(
+        orig: Any,
+        self: Any,
+        req: Any,
+        f: Any,
+        plan: Any,
+        load_back_id: int,
+        load_xfers: list,
+    ) -> Any:
+        s = lane_of(self).streams.get(f.request)
+        if s is None or s.state != "staged":
+            return orig(self, req, f, plan, load_back_id, load_xfers)
+        base = s.start + s.r_tokens
+        d = plan.device_prefix_len
+        matched, num, hashes = s.f
+        f2 = msgspec.structs.replace(
+            f, matched_len=matched, num_tokens=num, hash_values=hashes
+        )
+        new_d = max(d, base)
+        plan2 = dataclasses.replace(
+            plan, device_prefix_len=new_d, full_tokens=plan.full_tokens - (new_d - d)
+        )
+        state, why = orig(self, req, f2, plan2, load_back_id, load_xfers)
+        if state is None:
+            return state, why  # deferred: R stays with the staged hold
+        cut = min(max(d - s.start, 0), s.r_tokens)
+        used, spare = s.rows[cut:], s.rows[:cut]
+        if len(spare):
+            self._cache.token_to_kv_pool_allocator.free(spare)
+        state.device_indices = torch.cat(
+            [used.to(state.device_indices.device), state.device_indices]
+        )
+        state.num_tokens = plan.full_tokens
+        s.rows = s.rows[:0]  # R now belongs to the insert init_load_back makes next
+        _end(self, s, "restored")
+        return state, why
+
+    def release_staged(orig: Any, self: Any, request: Any, reason: Any = None) -> bool:
+        had = orig(self, request, reason)
+        s = lane_of(self).streams.get(request)
+        if s is not None and s.state == "staged":
+            _end(self, s, f"released_{reason or 'abort'}")
+        return had
+
+    def progress(orig: Any, self: Any, request: Any) -> bool:
+        if self.buffer_pipeline is not None:
+            s = lane_of(self.buffer_pipeline).streams.get(request)
+            if (
+                s is not None
+                and s.state in ("reading", "ready", "final")
+                and request in self.ongoing_prefetch
+            ):
+                return (
+                    False  # the request waits for its stream, whatever the stop policy
+                )
+        return orig(self, request)
+
+    def events(orig: Any, self: Any) -> None:
+        orig(self)
+        if self.buffer_pipeline is not None and self.linker is None:
+            _tick(self)
+
+    def add_one_req(orig: Any, self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        # R is allocated already (it is not in the budget's available tokens), yet the
+        # admission charges the whole span as new tokens: credit the rows the splice uses.
+        pipe = getattr(self.tree_cache, "buffer_pipeline", None)
+        handle = getattr(req, "cache_request_handle", None)
+        s = (
+            lane_of(pipe).streams.get(handle)
+            if pipe is not None and handle is not None
+            else None
+        )
+        plan = getattr(req, "staged_prefetch_plan", None)
+        if s is None or s.state != "staged" or plan is None:
+            return orig(self, req, *args, **kwargs)
+        credit = s.r_tokens - min(max(plan.device_prefix_len - s.start, 0), s.r_tokens)
+        budget = self.memory_budget
+        budget.total_offset -= credit
+        budget.current_offset -= credit
+        res = orig(self, req, *args, **kwargs)
+        if not any(r is req for r in self.can_run_list):
+            budget.total_offset += credit
+            budget.current_offset += credit
+        return res
+
+    def reset(orig: Any, self: Any) -> None:
+        lane = self.__dict__.pop("_l3_stream_lane", None)
+        if lane is not None:
+            # Pools are cleared wholesale by the cache reset: drop, never free twice.
+            lane.wait_reads()
+            lane.streams.clear()
+        orig(self)
+
+    ctx.around(f"{PIPE}.allocate_and_queue_prefetch", allocate)
+    ctx.around(f"{PIPE}.stage_completed_prefetch", stage)
+    ctx.around(f"{PIPE}._allocate_and_queue_load_back", load_back)
+    ctx.around(f"{PIPE}.release_staged_hold", release_staged)
+    ctx.around(f"{PIPE}.reset", reset)
+    ctx.around(f"{URC}.check_prefetch_progress", progress)
+    ctx.around(f"{URC}.check_hicache_events", events)
+    ctx.around(f"{ADDER}.add_one_req", add_one_req)

@@ -1,0 +1,174 @@
+"""Patch `streamed-write`: a KV span larger than the host staging buffer goes to L3 in windows.
+
+0.5.23 drops any write-through intent whose KV span exceeds the whole host
+staging pool (`BufferModePipeline.enqueue_backup_intent`, buffer_mode/pipeline.py
+742-746, `_backup_oversize` 752-779; again at the FIFO head, 936-940): with a RAM
+buffer smaller than a context, the context never reaches the SSD.
+
+Here a KV intent longer than the window W is staged window by window while it
+stays at the head of the write FIFO (design W-1 of the streamed-staging study):
+
+- `_backup_oversize` judges a KV intent by min(tokens, W); aux pools unchanged.
+- `_launch_transfers` slices the node's rows and keys to `[c, c+W)`, c = the first
+  page not covered by KV beliefs (stored or in flight), so each window starts
+  where the previous ones ended.
+- `_stage_backup_intent`: on success with pages left, the intent goes back to
+  index 1 of the FIFO (the flush loop pops index 0 next, pipeline.py 967) with its
+  queued-span ref and in-flight mark.
+- `finish_backup_ack`: a window at c > 0 extends the write's `prefix_keys` by the
+  node's first c page hashes (the store's chain position), on a copy of the intent.
+
+The Mamba intent of the node sits behind the KV intent (`_pool_order`), so the
+checkpoint is staged after the last KV window, as today. Window sizes come from
+the pool size and the cursor from beliefs: identical on every TP rank.
+What is still dropped (parent not stored, backlog cap, an aux pool too big) is
+counted by reason in `l3_write_dropped{reason}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import msgspec
+
+from sglang_l3 import metrics
+from sglang_l3.patches.framework import PatchContext
+
+logger = logging.getLogger("sglang_l3.streamed_write")
+
+PIPE = "sglang.srt.mem_cache.buffer_mode.pipeline:BufferModePipeline"
+ENV_WINDOW = "SGLANG_L3_STREAM_WRITE_WINDOW"  # fraction of the host KV pool per window
+DEFAULT_WINDOW_FRACTION = 0.25
+
+
+def window_tokens(pipe: Any) -> int:
+    """Tokens per write window: a page-aligned fraction of the host KV pool, >= 1 page."""
+    cache = pipe._cache
+    page = cache.page_size
+    pool = cache.cache_controller.mem_pool_host.size
+    frac = float(os.environ.get(ENV_WINDOW, DEFAULT_WINDOW_FRACTION))
+    return max(page, int(pool * frac) // page * page)
+
+
+def _state(pipe: Any) -> dict[str, Any]:
+    st = pipe.__dict__.get("_l3_stream_write")
+    if st is None:
+        st = pipe.__dict__["_l3_stream_write"] = {
+            "pending": None,
+            "cursor": {},
+            "windows": 0,
+        }
+    return st
+
+
+def _first_uncovered(beliefs: Any, keys: list[str]) -> int | None:
+    for i, k in enumerate(keys):
+        if not beliefs.covered((k,)):
+            return i
+    return None
+
+
+def apply(ctx: PatchContext) -> None:
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    def backup_oversize(orig: Any, self: Any, kv_tokens: int, aux_xfers: list) -> bool:
+        over = orig(self, min(kv_tokens, window_tokens(self)), aux_xfers)
+        if over:
+            metrics.inc("l3_write_dropped", "aux_oversize")
+        return over
+
+    def parent_covered(orig: Any, self: Any, *args: Any, **kwargs: Any) -> bool:
+        ok = orig(self, *args, **kwargs)
+        if not ok:
+            metrics.inc("l3_write_dropped", "parent_not_stored")
+        return ok
+
+    def enqueue(orig: Any, self: Any, node_id: Any) -> None:
+        before = getattr(self, "_backlog_cap_hits", 0)
+        orig(self, node_id)
+        if getattr(self, "_backlog_cap_hits", 0) != before:
+            metrics.inc("l3_write_dropped", "backlog_cap")
+
+    def launch(orig: Any, self: Any, intent: Any) -> Any:
+        st = _state(self)
+        st["pending"] = None
+        res = orig(self, intent)
+        if res is None or intent.pool != PoolName.KV:
+            return res
+        device_value, keys_by_pool, transfers = res
+        keys = keys_by_pool.get(PoolName.KV) or []
+        page = self._cache.page_size
+        wp = window_tokens(self) // page
+        if len(keys) <= wp:
+            return res
+        c = _first_uncovered(
+            self._cache.storage_existence_cache.pool(PoolName.KV), keys
+        )
+        if c is None:
+            return res  # all covered: upstream retires the intent
+        end = min(c + wp, len(keys))
+        win_keys = list(keys[c:end])
+        new_by_pool = {pool: list(k[c:end]) for pool, k in keys_by_pool.items()}
+        new_xfers = []
+        for t in transfers:
+            if t.indices_from_pool == PoolName.KV and t.keys is not None:
+                t = dataclasses.replace(t, keys=list(win_keys))
+            new_xfers.append(t)
+        st["pending"] = (intent, c, end < len(keys))
+        return device_value[c * page : end * page], new_by_pool, new_xfers
+
+    def stage(
+        orig: Any,
+        self: Any,
+        intent: Any,
+        device_value: Any,
+        transfers: Any,
+        keys_by_pool: Any,
+    ) -> bool:
+        st = _state(self)
+        pending, st["pending"] = st["pending"], None
+        ok = orig(self, intent, device_value, transfers, keys_by_pool)
+        if not ok or pending is None or pending[0] is not intent:
+            return ok
+        _, c, more = pending
+        ack_id = -(1 << 40) - self._backup_ack_seq
+        st["cursor"][ack_id] = c
+        st["windows"] += 1
+        metrics.inc("l3_stream_write_windows")
+        if more:
+            # The flush loop pops index 0 (this intent) next; the copy at 1 stays the head.
+            self.pending_write_queue.insert(1, intent)
+            self._retain_queued_span(intent)
+            self.inflight_backup_pools.setdefault(intent.snapshot.node_id, set()).add(
+                intent.pool
+            )
+        return ok
+
+    def backup_ack(orig: Any, self: Any, ack_id: int) -> None:
+        c = _state(self)["cursor"].pop(ack_id, None)
+        if c:
+            entry = self.ongoing_write_through[ack_id]
+            snap = entry.intent.snapshot
+            if snap.prefix_keys is not None:
+                prefix = self._cache.cache_controller.extend_storage_prefix(
+                    snap.prefix_keys, list(snap.hash_values[:c])
+                )
+                snap = msgspec.structs.replace(snap, prefix_keys=prefix)
+                # A copy: the same intent object may still be queued for the next window.
+                entry.intent = msgspec.structs.replace(entry.intent, snapshot=snap)
+        return orig(self, ack_id)
+
+    def reset(orig: Any, self: Any) -> None:
+        orig(self)
+        self.__dict__.pop("_l3_stream_write", None)
+
+    ctx.around(f"{PIPE}._backup_oversize", backup_oversize)
+    ctx.around(f"{PIPE}._backup_parent_covered", parent_covered)
+    ctx.around(f"{PIPE}.enqueue_backup_intent", enqueue)
+    ctx.around(f"{PIPE}._launch_transfers", launch)
+    ctx.around(f"{PIPE}._stage_backup_intent", stage)
+    ctx.around(f"{PIPE}.finish_backup_ack", backup_ack)
+    ctx.around(f"{PIPE}.reset", reset)

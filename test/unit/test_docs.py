@@ -1,0 +1,56 @@
+"""The RDNA3 serve command is one command: identical in README.md,
+docs/install.md and docs/rdna3.md, complete (the settings gfx1100 needs), and
+every flag in it is accepted by upstream's parser with the plugin applied."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from sglang.srt.server_args import ServerArgs
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ("README.md", "docs/install.md", "docs/rdna3.md")
+MARK = "<!-- rdna3-serve-command"
+
+
+def _block(doc: str) -> str:
+    text = (ROOT / doc).read_text()
+    assert text.count(MARK) == 1, f"{doc}: expected one {MARK} block"
+    m = re.search(re.escape(MARK) + r"[^\n]*\n```bash\n(.*?)```", text, re.DOTALL)
+    assert m, f"{doc}: no ```bash block after the marker"
+    return m.group(1)
+
+
+def test_one_serve_command_everywhere() -> None:
+    blocks = {doc: _block(doc) for doc in DOCS}
+    assert len(set(blocks.values())) == 1, blocks
+
+
+@pytest.mark.parametrize(
+    "needle",
+    [
+        "export SGLANG_MAMBA_CONV_DTYPE=float16",
+        "--attention-backend triton",
+        "--dtype float16",
+        "--quantization gptq",
+        "--tp-size 2",
+        '"store_dir"',
+        "--hicache-storage-backend file --hicache-mem-layout buffer_only",
+        "--enable-hierarchical-cache",
+    ],
+)
+def test_serve_command_is_complete(needle: str) -> None:
+    assert needle in _block("docs/rdna3.md")
+
+
+def test_serve_command_parses() -> None:
+    cmd = _block("docs/rdna3.md").split("python -m sglang.launch_server", 1)[1]
+    argv = shlex.split(cmd.replace("\\\n", " "))
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    assert ns.hicache_mem_layout == "buffer_only" and ns.tp_size == 2

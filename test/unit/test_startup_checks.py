@@ -1,0 +1,172 @@
+"""Start-up errors at argument parsing (patch startup-checks): the store
+directory and the HiCache host budget, one line naming the flag and the fix,
+exit code 2. In-process through upstream's own `prepare_server_args`; the
+launcher itself is exercised in test/e2e/test_startup_errors.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from sglang.srt.server_args import prepare_server_args
+from sglang_l3.patches import framework, startup_checks
+from sglang_l3.testing.server import TINY_MODEL_DIR
+
+GiB = 1024**3
+BASE = [
+    "--model-path", str(TINY_MODEL_DIR), "--load-format", "dummy", "--skip-tokenizer-init",
+    "--device", "cpu", "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+    "--hicache-mem-layout", "buffer_only",
+]  # fmt: skip
+
+
+def _spec() -> framework.PatchSpec:
+    return next(s for s in framework.load_series() if s.id == "startup-checks")
+
+
+@pytest.fixture(autouse=True)
+def applied():
+    framework.apply_one(_spec())
+    yield
+    framework.apply_one(_spec())  # re-apply after a negative control
+
+
+def _argv(store: object, *more: str, tokens: str | None = "4096") -> list[str]:
+    argv = BASE + [
+        "--hicache-storage-backend-extra-config",
+        json.dumps({"store_dir": str(store)}),
+    ]
+    if tokens is not None:
+        argv += ["--max-total-tokens", tokens]
+    return argv + list(more)
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        prepare_server_args(argv)
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines, "no message on stderr"
+    return lines[-1]
+
+
+def test_store_dir_that_is_a_file(tmp_path: Path, capsys) -> None:
+    f = tmp_path / "a-file"
+    f.write_text("not a store")
+    line = _refused(_argv(f), capsys)
+    assert "store_dir" in line and str(f) in line and "not a directory" in line
+    assert "Fix:" in line
+    assert f.read_text() == "not a store"  # untouched
+
+
+def test_world_writable_store(tmp_path: Path, capsys) -> None:
+    d = tmp_path / "open"
+    d.mkdir()
+    d.chmod(0o777)
+    line = _refused(_argv(d), capsys)
+    assert "store_dir" in line and "world-writable" in line and f"chmod 700 {d}" in line
+    assert (
+        stat.S_IMODE(os.stat(d).st_mode) == 0o777
+    )  # refused, not "fixed" behind the user's back
+    assert not (d / "pages").exists()
+
+
+def test_unreadable_extra_config(tmp_path: Path, capsys) -> None:
+    argv = BASE + [
+        "--max-total-tokens",
+        "4096",
+        "--hicache-storage-backend-extra-config",
+        "{store_dir: x",
+    ]
+    line = _refused(argv, capsys)
+    assert "--hicache-storage-backend-extra-config" in line and "Fix:" in line
+
+
+def test_cpu_without_max_total_tokens_leaves_no_host_memory(
+    tmp_path: Path, capsys
+) -> None:
+    # upstream's KV pool on --device cpu keeps only ~3.6 GiB of host memory (10 GiB
+    # above 60 GiB) for everything else: always under the 10 GiB HiCache reserve
+    line = _refused(_argv(tmp_path / "store", tokens=None), capsys)
+    assert "--max-total-tokens" in line and "no host memory is left for HiCache" in line
+    assert "Fix: pass --max-total-tokens" in line
+    # an explicit host pool size does not help: the KV pool is allocated first
+    line = _refused(_argv(tmp_path / "s2", "--hicache-size", "1", tokens=None), capsys)
+    assert "Fix: pass --max-total-tokens" in line
+
+
+def test_good_command_line_parses_and_creates_a_private_store(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # as on a machine with room for HiCache (a shared test machine may have less
+    # than the 10 GiB reserve available, and then refusing is right)
+    monkeypatch.setattr(startup_checks, "_available_host_bytes", lambda: 64 * GiB)
+    store = tmp_path / "store"
+    sa = prepare_server_args(_argv(store))
+    assert sa.hicache_host_memory_mode == "buffer_only"
+    assert stat.S_IMODE(os.stat(store).st_mode) == 0o700
+    prepare_server_args(_argv(tmp_path / "s2", "--hicache-size", "1"))
+
+
+def test_no_hicache_no_checks(tmp_path: Path) -> None:
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    argv = [a for a in _argv(f) if a != "--enable-hierarchical-cache"]
+    prepare_server_args(argv)  # the store is not used: nothing to refuse
+
+
+def test_host_budget_prediction() -> None:
+    class A:
+        hicache_host_memory_fraction = 0.8
+        hicache_ratio = None
+        hicache_size = 0
+        device = "cuda"
+        max_total_tokens = None
+        mem_fraction_static = None
+        tp_size, pp_size, nnodes = 2, 1, 1
+
+    check = startup_checks.check_host_memory
+    check(
+        A(), available=64 * GiB, total=128 * GiB
+    )  # GPU: the device pools are elsewhere
+    with pytest.raises(
+        startup_checks.StartupCheckError
+    ) as e:  # under the reserve: nothing fits
+        check(A(), available=8 * GiB, total=16 * GiB)
+    assert (
+        "--enable-hierarchical-cache" in e.value.message
+        and "Fix: free host memory" in e.value.message
+    )
+    A.hicache_size = 40  # GB per rank, 2 ranks: 80 GB > 54 GiB free beyond the reserve
+    with pytest.raises(startup_checks.StartupCheckError) as e:
+        check(A(), available=64 * GiB, total=128 * GiB)
+    assert (
+        "--hicache-size 40" in e.value.message
+        and "Fix: --hicache-size" in e.value.message
+    )
+    A.hicache_size = 20
+    check(A(), available=64 * GiB, total=128 * GiB)
+    A.hicache_size, A.device = 0, "cpu"
+    with pytest.raises(
+        startup_checks.StartupCheckError
+    ) as e:  # the CPU KV pool eats the host
+        check(A(), available=200 * GiB, total=256 * GiB)
+    assert "--max-total-tokens" in e.value.message
+    A.mem_fraction_static = 0.3  # the KV pool keeps 70 % of 64 GiB for the rest
+    check(A(), available=60 * GiB, total=64 * GiB)
+    A.mem_fraction_static, A.max_total_tokens = None, 4096
+    check(A(), available=60 * GiB, total=64 * GiB)
+
+
+def test_negative_control_without_patch_file_store_passes_parsing(
+    tmp_path: Path,
+) -> None:
+    """Without the patch the launcher accepts the command line and only the
+    scheduler finds the file, minutes later, with a raw traceback."""
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    framework.undo("startup-checks")
+    prepare_server_args(_argv(f))  # no SystemExit
