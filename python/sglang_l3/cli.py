@@ -8,7 +8,7 @@ import sys
 from typing import Optional
 
 # Subcommands contributed by subsystems: module with add_parser(subparsers) and run(args) -> int.
-SUBCOMMANDS = (("store", "sglang_l3.storage.cli"),)
+SUBCOMMANDS = (("store", "sglang_l3.storage.cli"), ("sessions", "sglang_l3.storage.sessions_cli"))
 
 
 def _doctor(args: argparse.Namespace) -> int:

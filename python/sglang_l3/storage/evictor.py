@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +32,20 @@ def make_evictor(
     max_bytes: int,
     min_free_bytes: int,
     eviction_ratio: float,
-    on_evict: Optional[Callable[[str], None]] = None,
-) -> Optional[Any]:
+    on_evict: Callable[[str], None] | None = None,
+    retention: Any | None = None,
+    counters: Any | None = None,
+) -> Any | None:
     if max_bytes <= 0 and min_free_bytes <= 0:
         return None
     from sglang.srt.mem_cache.storage.file.lru_file_evictor import LRUFileEvictor
 
-    ev = LRUFileEvictor(
+    cls: Any = LRUFileEvictor
+    if retention is not None:  # session classes decide the victims (retention.py)
+        from sglang_l3.storage.retention import make_session_evictor
+
+        cls = make_session_evictor(LRUFileEvictor, retention, counters)
+    ev = cls(
         pages_dir,
         owned_suffixes=owned_suffixes,
         tp_rank=tp_rank,

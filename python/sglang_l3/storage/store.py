@@ -31,6 +31,7 @@ from sglang_l3.storage.format import (
 )
 from sglang_l3.storage.identity import ModelIdentity, PoolLayout, Shard, diff
 from sglang_l3.storage.io_engine import IOEngine, ReadJob, WriteJob
+from sglang_l3.storage.retention import open_retention
 from sglang_l3.storage.safety import StoreDirs, valid_key, valid_mid, valid_pool
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class PageStore:
         n_writers = max(1, shard.tp_size * shard.pp_size * shard.cp_size)
         self.max_bytes_rank = settings.max_bytes // n_writers if settings.max_bytes else 0
         self.min_free_bytes = settings.min_free_bytes(total)
+        self.sessions = open_retention(self.dirs, self.mid, shard)  # issue 13: session retention
         self.evictor = make_evictor(
             self.pages_dir,
             owned_suffixes=owned,
@@ -119,6 +121,8 @@ class PageStore:
             min_free_bytes=self.min_free_bytes,
             eviction_ratio=settings.eviction_ratio,
             on_evict=lambda _stem: self.counters.inc("evicted"),
+            retention=self.sessions,
+            counters=self.counters,
         )
         if sweep_strays is None:
             sweep_strays = shard.tp_rank == 0 and shard.pp_rank == 0 and shard.cp_rank == 0
@@ -447,6 +451,7 @@ class PageStore:
         return n
 
     def close(self) -> None:
+        self.sessions.close_registry()
         self.engine.close()
         if self._sweeper is not None:
             self._sweeper.join(timeout=60)

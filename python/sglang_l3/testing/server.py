@@ -336,16 +336,19 @@ class Server:
         return self._request("GET", path, timeout=timeout).decode()
 
     def generate(self, input_ids: list[int], max_new_tokens: int = 8, *,
-                 timeout: float = 600.0, rid: str | None = None) -> Generation:
+                 timeout: float = 600.0, rid: str | None = None,
+                 extra: dict[str, Any] | None = None) -> Generation:
         """Greedy generation, streamed: returns tokens, logprobs, the server's
         cached-token metadata, and the client-side time to the first token.
-        `timeout` bounds each socket wait (a hung server raises, never stalls)."""
+        `timeout` bounds each socket wait (a hung server raises, never stalls).
+        `extra`: more request fields (e.g. session_id)."""
         req_body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
             "return_logprob": True,
             "stream": True,
         }
+        req_body.update(extra or {})
         if rid is not None:
             req_body["rid"] = rid
         body = json.dumps(req_body).encode()

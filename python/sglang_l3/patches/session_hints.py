@@ -1,0 +1,161 @@
+"""Patch `session-hints`: the "speaks next" prefetch route (issue 13, stage 3).
+
+Upstream 0.5.23 has no way for a client to say which context is needed next;
+its storage prefetch starts only when the request itself arrives. Two hooks in
+the HTTP server process (sglang_l3/session_hints.py does the work):
+
+- AFTER `TokenizerManager.__init__`: adds routes to upstream's FastAPI app
+  (`sglang.srt.entrypoints.http_server.app`, imported by the launcher before
+  it builds the tokenizer manager):
+    POST /sglang_l3/prefetch           {"session_id": ..., "input_ids": [...]}
+    GET  /sglang_l3/prefetch/{hint_id} staging | landed | failed, cached tokens
+    GET  /sglang_l3/sessions           the store's session table + hint counts
+- AROUND `TokenizerManager.generate_request`: a request that extends an
+  in-flight hint's context (or names its session) waits for the hint to land;
+  a finished request with a top-level session_id records its context so a hint
+  can name just the session.
+
+A hint is an ordinary prefill-only request, so upstream's own storage prefetch
+and load-back stage it, on every TP rank alike.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the route handlers'
+# annotations (Request) at runtime, from this module's globals.
+import json
+import logging
+import sys
+from typing import Any
+
+from sglang_l3.patches.framework import PatchContext
+
+logger = logging.getLogger("sglang_l3.session_hints")
+
+TM = "sglang.srt.managers.tokenizer_manager:TokenizerManager"
+HTTP = "sglang.srt.entrypoints.http_server"
+ROUTE_MARK = "_sglang_l3_session_routes"
+
+
+def _tm() -> Any:
+    mod = sys.modules.get(HTTP)
+    state = getattr(mod, "_global_state", None)
+    return getattr(state, "tokenizer_manager", None)
+
+
+def _store_root(tm: Any) -> str | None:
+    from sglang_l3.storage.config import StoreSettings
+
+    args = getattr(tm, "server_args", None)
+    if args is None or getattr(args, "hicache_storage_backend", None) != "file":
+        return None
+    raw = getattr(args, "hicache_storage_backend_extra_config", None)
+    try:
+        extra = json.loads(raw) if isinstance(raw, str) and raw else (raw or {})
+        return str(StoreSettings.resolve(extra).root)
+    except Exception:  # noqa: BLE001 - the store itself reports bad settings at start-up
+        return None
+
+
+def add_routes(app: Any) -> None:
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    from sglang_l3 import metrics
+    from sglang_l3.session_hints import BOOK, HintError
+
+    async def prefetch(request: Request) -> JSONResponse:
+        tm = _tm()
+        if tm is None:
+            return JSONResponse({"error": "server is not ready"}, status_code=503)
+        if getattr(tm, "gracefully_exit", False):
+            metrics.inc("session_hints", "rejected_draining")
+            return JSONResponse(
+                {"error": "server is draining; hint refused"}, status_code=503
+            )
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse({"error": "body is not JSON"}, status_code=400)
+        try:
+            ids, sid = BOOK.validate(
+                body, int(tm.model_config.vocab_size), getattr(tm, "context_len", None)
+            )
+        except HintError as e:
+            metrics.inc("session_hints", f"rejected_{e.status}")
+            return JSONResponse({"error": str(e)}, status_code=e.status)
+        hint, created = BOOK.start(tm, ids, sid)
+        return JSONResponse(
+            {**hint.as_dict(), "joined": not created},
+            status_code=202 if created else 200,
+        )
+
+    async def prefetch_status(hint_id: str) -> JSONResponse:
+        h = BOOK.hints.get(hint_id)
+        if h is None:
+            return JSONResponse({"error": f"unknown hint {hint_id!r}"}, status_code=404)
+        return JSONResponse(h.as_dict())
+
+    async def sessions() -> JSONResponse:
+        from sglang_l3.storage.sessions_cli import _rows
+
+        tm = _tm()
+        root = _store_root(tm) if tm is not None else None
+        rows = (
+            []
+            if root is None
+            else [
+                {k: v for k, v in r.items() if k != "keys"} for r in _rows(root, None)
+            ]
+        )
+        states: dict[str, int] = {}
+        for h in BOOK.hints.values():
+            states[h.state] = states.get(h.state, 0) + 1
+        return JSONResponse(
+            {
+                "store": root,
+                "sessions": rows,
+                "hints": states,
+                "remembered_contexts": len(BOOK.contexts),
+            }
+        )
+
+    app.add_api_route("/sglang_l3/prefetch", prefetch, methods=["POST"])
+    app.add_api_route("/sglang_l3/prefetch/{hint_id}", prefetch_status, methods=["GET"])
+    app.add_api_route("/sglang_l3/sessions", sessions, methods=["GET"])
+
+
+def _after_init(result: Any, tm: Any, *args: Any, **kwargs: Any) -> None:
+    mod = sys.modules.get(HTTP)
+    app = getattr(mod, "app", None)
+    if app is None or getattr(app.state, ROUTE_MARK, False):
+        return
+    add_routes(app)
+    setattr(app.state, ROUTE_MARK, True)
+    return
+
+
+def _generate_request(
+    original: Any, tm: Any, obj: Any, request: Any = None, *args: Any, **kwargs: Any
+) -> Any:
+    from sglang_l3.session_hints import BOOK, request_ids_and_session
+
+    ids, sid, is_hint = request_ids_and_session(obj)
+
+    async def run() -> Any:
+        if not is_hint and BOOK.hints:
+            await BOOK.join(ids, sid)
+        last = None
+        async for out in original(tm, obj, request, *args, **kwargs):
+            last = out
+            yield out
+        top_sid = getattr(obj, "session_id", None)
+        if ids is not None and isinstance(top_sid, str) and isinstance(last, dict):
+            out_ids = last.get("output_ids")
+            if isinstance(out_ids, list):
+                BOOK.remember(top_sid, ids + out_ids)
+
+    return run()
+
+
+def apply(ctx: PatchContext) -> None:
+    ctx.after(f"{TM}.__init__", _after_init)
+    ctx.around(f"{TM}.generate_request", _generate_request)

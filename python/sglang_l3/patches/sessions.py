@@ -1,0 +1,125 @@
+"""Patch `sessions`: upstream's session API drives L3 retention (issue 13).
+
+Upstream (0.5.23) names agents with `/open_session` / `/close_session`,
+`session_params.id` and the top-level `session_id`, and with
+`--enable-session-radix-cache` protects their device/host entries
+(mem_cache/unified_cache/session_ref_tracker.py). The L3 store knows nothing
+of sessions: its evictor is plain LRU and the session table lives in process
+memory. Three AFTER hooks feed the store's session registry
+(storage/retention.py), on every TP rank alike (same requests, same keys):
+
+- `UnifiedRadixCache.on_release` (after a request's KV went back to the tree,
+  both tree cores): a finished, non-aborted request of a session records the
+  page-key chain of its context (the same SHA-256 chain HiCache names L3 pages
+  with, mem_cache/utils.py:get_storage_hash_str), its token count and priority;
+- `Scheduler.open_session`: (re)opens the session in the registry;
+- `Scheduler.close_session` and `SessionController._close` (explicit close,
+  deferred close, timeout reap): closes it - its pages become evictable before
+  any open session's.
+
+Neither hook changes what upstream does; they read request/tree state only.
+Works without `--enable-session-radix-cache`, so on the Rust tree core too
+(upstream refuses the session radix cache there).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sglang_l3.patches.framework import PatchContext
+
+logger = logging.getLogger("sglang_l3.sessions")
+
+CACHE = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
+SCHED = "sglang.srt.managers.scheduler:Scheduler"
+CONTROLLER = "sglang.srt.session.session_controller:SessionController"
+
+
+def registry_of(cache: Any) -> Any:
+    """The session registry of the L3 store behind a tree cache, or None."""
+    from sglang_l3.storage.backend import L3FileStore
+
+    ctrl = getattr(cache, "cache_controller", None)
+    backend = getattr(ctrl, "storage_backend", None)
+    backend = getattr(
+        backend, "_backend", backend
+    )  # test-only failure injector wraps it
+    if isinstance(backend, L3FileStore):
+        return backend.store.sessions
+    return None
+
+
+def session_id_of(req: Any) -> Any:
+    sid = getattr(req, "session_id", None)
+    session = getattr(req, "session", None)
+    if sid is None and session is not None:
+        sid = getattr(session, "session_id", None)
+    return sid
+
+
+def context_keys(cache: Any, req: Any) -> tuple[list[str], int]:
+    """(page-key chain, tokens) of a finished request's context, keyed the way
+    HiCache keys its L3 pages (namespace seed from extra_key/cache_salt)."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    tokens = list(req.origin_input_ids) + list(req.output_ids)
+    page = int(cache.page_size)
+    n = (len(tokens) // page) * page
+    if n == 0:
+        return [], len(tokens)
+    key = RadixKey(tokens[:n], req.extra_key, cache_salt=req.cache_salt)
+    keys = get_storage_hash_str(key, None, page_size=page)
+    return list(keys) if isinstance(keys, list) else [keys], len(tokens)
+
+
+def _on_release(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    sid = session_id_of(req)
+    if (
+        sid is None
+        or not req.finished()
+        or isinstance(req.finished_reason, FINISH_ABORT)
+    ):
+        return
+    reg = registry_of(cache)
+    if reg is None:
+        return
+    try:
+        keys, tokens = context_keys(cache, req)
+        prio = getattr(req, "priority", None)
+        reg.on_turn(
+            str(sid), keys, tokens, priority=int(prio) if prio is not None else None
+        )
+    except Exception:  # bookkeeping must never take a request down
+        logger.exception("sglang-l3 sessions: cannot record session %s", sid)
+    return
+
+
+def _on_open(result: Any, sched: Any, recv_req: Any) -> None:
+    sid = recv_req.session_id
+    if sid is not None and sid in sched.session_controller:
+        reg = registry_of(sched.tree_cache)
+        if reg is not None:
+            reg.open(str(sid))
+
+
+def _on_close(result: Any, sched: Any, recv_req: Any) -> None:
+    reg = registry_of(sched.tree_cache)
+    if reg is not None and recv_req.session_id is not None:
+        reg.close(str(recv_req.session_id))
+
+
+def _on_controller_close(result: Any, ctrl: Any, session_id: str) -> None:
+    reg = registry_of(ctrl.tree_cache)
+    if reg is not None:
+        reg.close(str(session_id))
+
+
+def apply(ctx: PatchContext) -> None:
+    ctx.after(f"{CACHE}.on_release", _on_release)
+    ctx.after(f"{SCHED}.open_session", _on_open)
+    ctx.after(f"{SCHED}.close_session", _on_close)
+    ctx.after(f"{CONTROLLER}._close", _on_controller_close)

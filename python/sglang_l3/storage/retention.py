@@ -1,0 +1,359 @@
+"""L3 retention by session: which pages the store evicts last.
+
+Upstream's session API (`/open_session`, `/close_session`, `session_params`,
+top-level `session_id`) names the agents; `--enable-session-radix-cache`
+protects their device/host entries, but the L3 evictor (upstream's
+LRUFileEvictor) is plain LRU. Here every page key on the chain of a session's
+latest context is tagged with that session, and the evictor takes victims in
+classes:
+
+  0 plain pages (no session)            - LRU order, as upstream
+  1 pages of closed sessions            - least recently used session first
+  2 pages of open sessions              - lowest priority, then oldest first
+
+Within a session the deepest page goes first, so what stays is still a
+restorable prefix. The byte cap and the free-space floor both walk this
+order to the end: retention decides *what* goes first, never *whether* the
+store may shrink - the free-space floor always wins.
+
+The registry is fed identically on every TP rank (same requests, same keys);
+only the table writer (rank 0) persists it (`storage/sessions.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from sglang_l3 import metrics as l3_metrics
+from sglang_l3.storage import sessions as table
+from sglang_l3.storage.sessions import SessionRecord, valid_session_id
+
+logger = logging.getLogger(__name__)
+
+PLAIN, CLOSED, OPEN = 0, 1, 2
+CLASS_NAMES = ("plain", "closed", "open")
+MAX_CLOSED = 1024  # closed sessions remembered (oldest forgotten first)
+
+
+def key_of_stem(stem: str) -> str:
+    return stem.split(".", 1)[0]
+
+
+class SessionRetention:
+    """Session -> page-key chain registry (thread-safe) with a persisted table."""
+
+    def __init__(
+        self,
+        dirs: Any,
+        mid: str,
+        *,
+        writer: bool,
+        now: Callable[[], float] = time.time,
+    ):
+        # dirs: the store's StoreDirs (its descriptor-relative safe file helpers)
+        self.dirs, self.mid, self.writer = dirs, mid, writer and dirs is not None
+        self._now = now
+        self._lock = threading.Lock()
+        self._sessions: dict[str, SessionRecord] = {}
+        self._by_key: dict[str, dict[str, int]] = {}  # key -> {session id: depth}
+        self._version = 0
+        self._saved_version = 0
+        self._io_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self.load_reason: str | None = None
+        if dirs is not None:
+            records, self.load_reason = table.load(dirs, mid)
+            for r in records:
+                self._put(r)
+            if records:
+                logger.info(
+                    "sglang-l3 sessions: %d session(s) restored from %s (%d open)",
+                    len(records),
+                    dirs.path("models", table.table_name(mid)),
+                    sum(r.open for r in records),
+                )
+        self._thread: threading.Thread | None = None
+        if self.writer:
+            self._thread = threading.Thread(
+                target=self._writer_loop, name="sglang-l3-sessions", daemon=True
+            )
+            self._thread.start()
+
+    # ------------------------------------------------------------ registry
+    def _put(self, rec: SessionRecord) -> None:
+        self._unindex(rec.id)
+        self._sessions[rec.id] = rec
+        for depth, k in enumerate(rec.keys):
+            self._by_key.setdefault(k, {})[rec.id] = depth
+
+    def _unindex(self, sid: str) -> None:
+        old = self._sessions.pop(sid, None)
+        if old is None:
+            return
+        for k in old.keys:
+            owners = self._by_key.get(k)
+            if owners is not None:
+                owners.pop(sid, None)
+                if not owners:
+                    del self._by_key[k]
+
+    def _changed(self) -> None:
+        self._version += 1
+        closed = [r for r in self._sessions.values() if not r.open]
+        if len(closed) > MAX_CLOSED:
+            for r in sorted(closed, key=lambda r: r.last_use)[
+                : len(closed) - MAX_CLOSED
+            ]:
+                self._unindex(r.id)
+        self._wake.set()
+
+    def on_turn(
+        self, sid: str, keys: list[str], tokens: int, priority: int | None = None
+    ) -> bool:
+        """A request of session sid finished: keys is its context's chain."""
+        if not valid_session_id(sid):
+            return False
+        with self._lock:
+            old = self._sessions.get(sid)
+            prio = priority if priority is not None else (old.priority if old else 0)
+            # A closed session stays closed (a late finish after /close_session
+            # must not re-protect it); /open_session reopens it.
+            is_open = old.open if old is not None else True
+            self._put(
+                SessionRecord(
+                    sid, list(keys), int(tokens), int(prio), self._now(), is_open
+                )
+            )
+            self._changed()
+        l3_metrics.inc("session_turns")
+        return True
+
+    def open(self, sid: str, priority: int | None = None) -> bool:
+        if not valid_session_id(sid):
+            return False
+        with self._lock:
+            old = self._sessions.get(sid)
+            rec = SessionRecord(
+                sid,
+                list(old.keys) if old else [],
+                old.tokens if old else 0,
+                priority if priority is not None else (old.priority if old else 0),
+                self._now(),
+                True,
+            )
+            self._put(rec)
+            self._changed()
+        return True
+
+    def close(self, sid: str) -> bool:
+        with self._lock:
+            rec = self._sessions.get(sid)
+            if rec is None or not rec.open:
+                return False
+            rec.open = False
+            rec.last_use = self._now()
+            self._changed()
+        l3_metrics.inc("session_closed")
+        return True
+
+    def drop(self, sid: str) -> bool:
+        with self._lock:
+            if sid not in self._sessions:
+                return False
+            self._unindex(sid)
+            self._changed()
+        return True
+
+    def set_priority(self, sid: str, priority: int) -> bool:
+        with self._lock:
+            rec = self._sessions.get(sid)
+            if rec is None:
+                return False
+            rec.priority = int(priority)
+            self._changed()
+        return True
+
+    def get(self, sid: str) -> SessionRecord | None:
+        with self._lock:
+            r = self._sessions.get(sid)
+            return (
+                None
+                if r is None
+                else SessionRecord(
+                    r.id, list(r.keys), r.tokens, r.priority, r.last_use, r.open
+                )
+            )
+
+    def records(self) -> list[SessionRecord]:
+        with self._lock:
+            return [
+                SessionRecord(
+                    r.id, list(r.keys), r.tokens, r.priority, r.last_use, r.open
+                )
+                for r in self._sessions.values()
+            ]
+
+    # -------------------------------------------------------- classification
+    def rank(self, key: str) -> tuple:
+        """Eviction sort key of a page key (smaller = evicted earlier), without
+        the LRU tie-break the caller appends."""
+        owners = self._by_key.get(key)
+        if not owners:
+            return (PLAIN,)
+        best: tuple | None = None
+        for sid, depth in owners.items():
+            r = self._sessions[sid]
+            t = (
+                (OPEN, r.priority, r.last_use, -depth)
+                if r.open
+                else (CLOSED, 0, r.last_use, -depth)
+            )
+            if best is None or t > best:
+                best = t
+        assert best is not None
+        return best
+
+    def victims(self, stems: Iterable[str]) -> Iterator[tuple[str, int]]:
+        """(stem, class) in eviction order; stems given oldest-first (LRU).
+
+        Lazy: plain pages are yielded in LRU order as the walk meets them, so
+        an eviction that plain pages satisfy never sorts; the protected ones
+        are sorted only once the plain ones are used up."""
+        protected: list[tuple[tuple, int, str]] = []
+        for i, s in enumerate(stems):
+            with self._lock:
+                r = self.rank(key_of_stem(s))
+            if r[0] == PLAIN:
+                yield s, PLAIN
+            else:
+                protected.append((r, i, s))
+        protected.sort(key=lambda t: (t[0], t[1]))
+        for r, _, s in protected:
+            yield s, r[0]
+
+    def order(self, stems: Iterable[str]) -> list[str]:
+        """Stems in eviction order (stems given oldest-first, i.e. LRU order)."""
+        return [s for s, _ in self.victims(stems)]
+
+    def class_of(self, key: str) -> int:
+        with self._lock:
+            return self.rank(key)[0]
+
+    def stats(self, sizes: Iterable[tuple[str, int]]) -> dict[str, Any]:
+        """Retained bytes/pages per class over (stem, size) pairs."""
+        out = {f"{n}_{u}": 0 for n in CLASS_NAMES for u in ("bytes", "pages")}
+        with self._lock:
+            for stem, size in sizes:
+                c = CLASS_NAMES[self.rank(key_of_stem(stem))[0]]
+                out[f"{c}_bytes"] += size
+                out[f"{c}_pages"] += 1
+            out["sessions_open"] = sum(r.open for r in self._sessions.values())
+            out["sessions_closed"] = sum(not r.open for r in self._sessions.values())
+        return out
+
+    # ---------------------------------------------------------- persistence
+    def flush(self) -> bool:
+        """Write the table now if it changed (table writer only). False on error."""
+        if not self.writer:
+            return True
+        with self._io_lock:
+            with self._lock:
+                version = self._version
+                if version == self._saved_version:
+                    return True
+                snap = [
+                    SessionRecord(
+                        r.id, list(r.keys), r.tokens, r.priority, r.last_use, r.open
+                    )
+                    for r in self._sessions.values()
+                ]
+            try:
+                table.save(self.dirs, self.mid, snap)
+            except OSError as e:
+                logger.warning(
+                    "sglang-l3 sessions: cannot write the session table: %s", e
+                )
+                l3_metrics.inc("session_table_errors")
+                return False
+            self._saved_version = version
+            return True
+
+    def _writer_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed:
+                break
+            self.flush()
+
+    def close_registry(self) -> None:
+        self.flush()
+        self._closed = True
+        self._wake.set()
+
+
+def open_retention(dirs: Any, mid: str, shard: Any) -> SessionRetention:
+    """The store's registry; rank 0 (of TP/PP/CP) writes the table."""
+    writer = shard.tp_rank == 0 and shard.pp_rank == 0 and shard.cp_rank == 0
+    return SessionRetention(dirs, mid, writer=writer)
+
+
+def make_session_evictor(
+    base: type, retention: SessionRetention, counters: Any
+) -> type:
+    """Subclass of upstream's LRUFileEvictor whose victims follow the session
+    classes; everything else (reserve/commit/abort/touch, the cap, the
+    free-space floor, pending-write protection) is upstream's."""
+
+    class SessionAwareEvictor(base):  # type: ignore[misc, valid-type]
+        def _evict_while(self, should_continue: Callable[[int], bool]) -> int:
+            if not self._lru or not should_continue(0):
+                return 0
+            reclaimed = 0
+            # a snapshot of the keys (the walk deletes); classes are looked up lazily
+            for stem, cls_id in retention.victims(list(self._lru)):
+                if not should_continue(reclaimed):
+                    break
+                size = self._lru.get(stem)
+                if size is None or stem in self._pending_writes:
+                    continue
+                try:
+                    os.remove(os.path.join(self.file_path, f"{stem}.bin"))
+                    freed = size
+                except FileNotFoundError:
+                    freed = 0
+                except OSError as e:
+                    logger.warning(
+                        "sglang-l3 store: eviction of %s failed: %s", stem, e
+                    )
+                    break
+                del self._lru[stem]
+                self._total_bytes -= size
+                reclaimed += freed
+                cls = CLASS_NAMES[cls_id]
+                counters.inc(f"evicted_{cls}")
+                l3_metrics.inc("l3_evictions", cls)
+                if self._on_evict is not None:
+                    self._on_evict(stem)
+            return reclaimed
+
+        def sizes(self) -> list[tuple[str, int]]:
+            with self._lock:
+                return list(self._lru.items())
+
+    return SessionAwareEvictor
+
+
+__all__ = [
+    "CLASS_NAMES",
+    "SessionRetention",
+    "key_of_stem",
+    "make_session_evictor",
+    "open_retention",
+]

@@ -1,0 +1,210 @@
+"""The persisted session table: one small file per model identity in the store.
+
+`<store>/models/<mid>.sessions` holds, for every session the server has seen,
+the page-key chain of its latest context, its token count, priority, state
+(open/closed) and last use. It is what lets a session keep its L3 retention
+across a restart and what `sglang-l3 sessions` lists offline.
+
+Every byte of the table goes through `read_table_bytes` / `replace_table_bytes`
+(the only two functions here that touch the filesystem), so hardening the
+store's file access (O_NOFOLLOW, lstat checks) has one place to look. The
+file is replaced atomically (tmp in the store's tmp/, fsync, rename): a crash
+leaves the previous table or the new one, never half of either. A corrupt or
+foreign table is ignored with a logged reason; serving starts with no sessions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sglang_l3.storage.safety import StoreDirs, valid_key
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "sglang-l3-sessions"
+VERSION = 1
+SUFFIX = ".sessions"
+MAX_TABLE_BYTES = 256 * 2**20  # refuse to parse anything larger (not ours / damaged)
+MAX_ID_LEN = 256
+
+
+class TableError(ValueError):
+    """The table cannot be used; the message is the logged reason."""
+
+
+@dataclass
+class SessionRecord:
+    id: str
+    keys: list[str] = field(
+        default_factory=list
+    )  # page-key chain of the latest context
+    tokens: int = 0
+    priority: int = 0  # larger = retained longer among open sessions
+    last_use: float = 0.0  # wall-clock seconds
+    open: bool = True
+
+
+def valid_session_id(sid: object) -> bool:
+    return isinstance(sid, str) and 0 < len(sid) <= MAX_ID_LEN and sid.isprintable()
+
+
+# ------------------------------------------------------------------ file I/O
+def table_name(mid: str) -> str:
+    return f"{mid}{SUFFIX}"
+
+
+def read_table_bytes(dirs: StoreDirs, name: str) -> bytes | None:
+    """The table's bytes (through the store's descriptor-relative, link-refusing
+    helpers), or None when there is none. A link, a directory, a file of
+    another user or an oversized file is refused (TableError)."""
+    kind, _ = dirs.classify("models", name)
+    if kind == "missing":
+        return None
+    if kind != "file":
+        raise TableError(
+            f"{dirs.path('models', name)} is a {kind}, not a table of ours"
+        )
+    data = dirs.read_file("models", name, MAX_TABLE_BYTES)
+    if data is None:
+        raise TableError(
+            f"{dirs.path('models', name)} is unreadable or over {MAX_TABLE_BYTES} bytes"
+        )
+    return data
+
+
+def replace_table_bytes(dirs: StoreDirs, name: str, data: bytes) -> None:
+    """Atomically replace the table (tmp/ + fsync + rename; raises OSError)."""
+    dirs.replace_file("models", name, data, durable=True)
+
+
+# ------------------------------------------------------------------ encoding
+def _digest(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+def encode(mid: str, records: list[SessionRecord]) -> bytes:
+    body = json.dumps(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "mid": mid,
+            "sessions": [asdict(r) for r in sorted(records, key=lambda r: r.id)],
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
+    return json.dumps({"sha256": _digest(body)}).encode() + b"\n" + body
+
+
+def _record(d: object) -> SessionRecord:
+    if not isinstance(d, dict):
+        raise TableError("a session entry is not an object")
+    sid, keys = d.get("id"), d.get("keys")
+    if not valid_session_id(sid):
+        raise TableError(f"invalid session id {sid!r}")
+    if not isinstance(keys, list) or not all(valid_key(k) for k in keys):
+        raise TableError(f"session {sid!r}: invalid page-key chain")
+    tokens, priority, last_use, is_open = (
+        d.get("tokens"),
+        d.get("priority"),
+        d.get("last_use"),
+        d.get("open"),
+    )
+    if not (
+        isinstance(tokens, int)
+        and tokens >= 0
+        and isinstance(priority, int)
+        and isinstance(last_use, (int, float))
+        and isinstance(is_open, bool)
+    ):
+        raise TableError(f"session {sid!r}: malformed fields")
+    return SessionRecord(sid, list(keys), tokens, priority, float(last_use), is_open)
+
+
+def decode(data: bytes, mid: str | None) -> tuple[str, list[SessionRecord]]:
+    """(mid, records); raises TableError with the reason. mid=None accepts any."""
+    head, sep, body = data.partition(b"\n")
+    if not sep:
+        raise TableError("truncated (no header line)")
+    try:
+        want = json.loads(head)["sha256"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise TableError(f"unreadable header: {e}") from e
+    if want != _digest(body):
+        raise TableError("checksum mismatch (damaged or partly written)")
+    try:
+        doc = json.loads(body)
+    except ValueError as e:
+        raise TableError(f"unreadable body: {e}") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise TableError("not a sglang-l3 session table")
+    if doc.get("version") != VERSION:
+        raise TableError(
+            f"table version {doc.get('version')!r}, this build reads {VERSION}"
+        )
+    if mid is not None and doc.get("mid") != mid:
+        raise TableError(
+            f"table of another model identity ({doc.get('mid')!r}, serving {mid!r})"
+        )
+    sessions = doc.get("sessions")
+    if not isinstance(sessions, list):
+        raise TableError("sessions is not a list")
+    return str(doc.get("mid")), [_record(d) for d in sessions]
+
+
+def load(dirs: StoreDirs, mid: str) -> tuple[list[SessionRecord], str | None]:
+    """(records, reason): reason is None when the table was read (or absent),
+    else why it was ignored (logged here)."""
+    name = table_name(mid)
+    try:
+        data = read_table_bytes(dirs, name)
+        if data is None:
+            return [], None
+        return decode(data, mid)[1], None
+    except TableError as e:
+        reason = str(e)
+    except OSError as e:
+        reason = f"cannot read: {e}"
+    logger.warning(
+        "sglang-l3 sessions: ignoring session table %s: %s",
+        dirs.path("models", name),
+        reason,
+    )
+    return [], reason
+
+
+def save(dirs: StoreDirs, mid: str, records: list[SessionRecord]) -> None:
+    replace_table_bytes(dirs, table_name(mid), encode(mid, records))
+
+
+def table_path(root: Any, mid: str) -> str:
+    return os.path.join(str(root), "models", table_name(mid))
+
+
+def list_tables(root: Any) -> list[str]:
+    """Names (in models/) of every session table in a store directory."""
+    d = os.path.join(str(root), "models")
+    try:
+        return sorted(n for n in os.listdir(d) if n.endswith(SUFFIX))
+    except FileNotFoundError:
+        return []
+
+
+__all__ = [
+    "SessionRecord",
+    "TableError",
+    "decode",
+    "encode",
+    "list_tables",
+    "load",
+    "read_table_bytes",
+    "replace_table_bytes",
+    "save",
+    "table_path",
+    "valid_session_id",
+]

@@ -1,0 +1,215 @@
+"""`sglang-l3 sessions ls|show|drop`: the persisted session tables of a store.
+
+Offline (torch- and sglang-free): reads `<store>/models/<mid>.sessions` and
+the page names in `pages/`, and reports per session what L3 retains for it -
+chain pages on disk, the restorable prefix, bytes, last use. `drop` removes a
+session from the table (its pages become plain pages, evicted first). A
+server using the store rewrites the table on its next change, so drop with the
+server stopped. `--url` reads a running server's view (GET
+/sglang_l3/sessions) for ls/show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from sglang_l3.storage import index
+from sglang_l3.storage import sessions as table
+from sglang_l3.storage.cli import fmt_bytes, resolve_dir
+from sglang_l3.storage.safety import StoreDirs, UnsafeStoreError
+
+KV_POOL = "kv"
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "sessions",
+        help="agent sessions the L3 store retains (ls / show / drop)",
+        description="List, inspect and drop the sessions an L3 store retains.",
+    )
+    p.add_argument("--dir", help="store directory (default: as for `sglang-l3 store`)")
+    p.add_argument(
+        "--url", help="a running server (http://host:port): ls/show through it"
+    )
+    sub = p.add_subparsers(dest="sessions_cmd", required=True)
+    s = sub.add_parser("ls", help="one line per session")
+    s.add_argument("--model", help="model digest prefix or model name")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("show", help="one session in detail")
+    s.add_argument("id")
+    s.add_argument("--model", help="model digest prefix or model name")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser(
+        "drop", help="forget a session (its pages become plain, evicted first)"
+    )
+    s.add_argument("id")
+    s.add_argument("--model", help="model digest prefix or model name")
+    p.set_defaults(func=run)
+
+
+def _rows(root: str, model: str | None) -> list[dict[str, Any]]:
+    scan = index.scan(root)
+    mids = index.match_model(scan, model) if model else None
+    sizes: dict[tuple[str, str], int] = {}
+    kv: set[tuple[str, str]] = set()
+    for p in scan.pages:
+        k = (p.name.mid, p.name.key)
+        sizes[k] = sizes.get(k, 0) + p.size
+        if p.name.pool == KV_POOL:
+            kv.add(k)
+    out: list[dict[str, Any]] = []
+    names = table.list_tables(root)
+    if not names:
+        return out
+    try:
+        dirs = StoreDirs(root, create=False)
+    except (UnsafeStoreError, OSError) as e:
+        return [{"table": root, "error": str(e)}]
+    with dirs:
+        tables = []
+        for name in names:
+            try:
+                tables.append(
+                    table.decode(table.read_table_bytes(dirs, name) or b"", None)
+                )
+            except (table.TableError, OSError) as e:
+                out.append({"table": dirs.path("models", name), "error": str(e)})
+    for mid, records in tables:
+        if mids is not None and mid not in mids:
+            continue
+        for r in records:
+            present = [k for k in r.keys if (mid, k) in kv]
+            prefix = 0
+            while prefix < len(r.keys) and (mid, r.keys[prefix]) in kv:
+                prefix += 1
+            out.append(
+                {
+                    "mid": mid,
+                    "model": scan.models.get(mid, {}).get("model", "?"),
+                    "id": r.id,
+                    "state": "open" if r.open else "closed",
+                    "priority": r.priority,
+                    "tokens": r.tokens,
+                    "chain_pages": len(r.keys),
+                    "stored_pages": len(present),
+                    "restorable_pages": prefix,
+                    "bytes": sum(sizes.get((mid, k), 0) for k in r.keys),
+                    "last_use": r.last_use,
+                    "keys": r.keys,
+                }
+            )
+    return out
+
+
+def _age(t: float) -> str:
+    s = max(0.0, time.time() - t)
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.1f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+def _print_ls(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        print("no sessions")
+        return
+    print(
+        f"{'session':<24} {'state':<6} {'prio':>4} {'tokens':>8} {'pages':>11} "
+        f"{'restorable':>10} {'bytes':>10}  last use   model"
+    )
+    for r in rows:
+        if "error" in r:
+            print(f"  table {r['table']} ignored: {r['error']}")
+            continue
+        print(
+            f"{r['id'][:24]:<24} {r['state']:<6} {r['priority']:>4} {r['tokens']:>8} "
+            f"{r['stored_pages']:>5}/{r['chain_pages']:<5} {r['restorable_pages']:>10} "
+            f"{fmt_bytes(r['bytes']):>10}  {_age(r['last_use']):<10} {r['mid'][:12]} ({r['model']})"
+        )
+
+
+def _server(url: str, path: str) -> Any:
+    req = urllib.request.Request(url.rstrip("/") + path, method="GET")
+    with urllib.request.urlopen(req, timeout=60) as f:
+        return json.loads(f.read())
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = args.sessions_cmd
+    if args.url:
+        if cmd == "drop":
+            print(
+                "error: drop is offline only (stop the server, then drop on its store directory)",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            out = _server(args.url, "/sglang_l3/sessions")
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            print(f"error: {args.url}: {e}", file=sys.stderr)
+            return 2
+        if cmd == "show":
+            out = [r for r in out.get("sessions", []) if r.get("id") == args.id]
+            if not out:
+                print(f"error: no session {args.id!r} on {args.url}", file=sys.stderr)
+                return 1
+        print(json.dumps(out, indent=1))
+        return 0
+    root = resolve_dir(args.dir)
+    rows = _rows(root, getattr(args, "model", None))
+    if cmd == "ls":
+        if args.json:
+            print(
+                json.dumps(
+                    [{k: v for k, v in r.items() if k != "keys"} for r in rows],
+                    indent=1,
+                )
+            )
+        else:
+            _print_ls(rows)
+        return 0
+    hits = [r for r in rows if r.get("id") == args.id]
+    if not hits:
+        print(f"error: no session {args.id!r} in {root}", file=sys.stderr)
+        return 1
+    if cmd == "show":
+        for r in hits:
+            if args.json:
+                print(json.dumps(r, indent=1))
+                continue
+            print(
+                f"session {r['id']} ({r['state']}, priority {r['priority']}) model {r['mid']} ({r['model']})"
+            )
+            print(
+                f"  context: {r['tokens']} tokens, {r['chain_pages']} pages in its chain"
+            )
+            print(
+                f"  on disk: {r['stored_pages']} KV pages, restorable prefix {r['restorable_pages']} pages, "
+                f"{fmt_bytes(r['bytes'])} (all pools)"
+            )
+            print(
+                f"  last use: {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r['last_use']))} "
+                f"({_age(r['last_use'])})"
+            )
+            if r["keys"]:
+                print(f"  chain: {r['keys'][0][:16]}… → {r['keys'][-1][:16]}…")
+        return 0
+    # drop
+    with StoreDirs(root, create=False) as dirs:
+        for mid in sorted({r["mid"] for r in hits}):
+            records, reason = table.load(dirs, mid)
+            if reason is not None:
+                print(f"error: table of {mid} unusable: {reason}", file=sys.stderr)
+                return 1
+            table.save(dirs, mid, [r for r in records if r.id != args.id])
+            print(
+                f"dropped session {args.id} from model {mid[:12]} (its pages are now plain; "
+                f"a server using this store rewrites its table on its next change: stop it first)"
+            )
+    return 0

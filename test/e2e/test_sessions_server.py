@@ -1,0 +1,227 @@
+"""Issue 13 through the real server (CPU, tiny Qwen3-Next, buffer-only L3):
+upstream's session ids drive L3 retention and survive a restart.
+
+- restart between turns: the session table written by the first server names
+  exactly the chain of pages HiCache stored; after a restart the same
+  `session_id` continues from L3, tokens and logprobs identical to a server
+  without any cache;
+- byte cap smaller than all contexts: an open session's context stays
+  restorable while plain prompts are evicted; after `/close_session` it is
+  evictable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from l3_e2e import (
+    CHUNKED_PREFILL,
+    LARGE_POOL,
+    PAGE_SIZE,
+    PREFETCH_THRESHOLD,
+    SMALL_POOL,
+    STARTUP_TIMEOUT,
+)
+from sglang_l3.storage import sessions as table
+from sglang_l3.storage.format import parse_page_name
+from sglang_l3.storage.safety import StoreDirs
+from sglang_l3.testing.server import Server, ServerConfig, prompt
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SID = "agent-a"
+A0 = prompt(300, 400)
+NEW = 12
+_MEASURED: dict[str, int] = {}
+
+
+@pytest.fixture(autouse=True)
+def _cpu_only(hash_extension_built):
+    from sglang_l3.cpu import accelerator_present
+
+    if accelerator_present():
+        pytest.skip("cpu-serving patches are not applicable next to an accelerator")
+
+
+def _config(store: Path | None, **storage_extra) -> ServerConfig:
+    return ServerConfig(
+        storage_dir=None if store is None else str(store),
+        device="cpu",
+        max_total_tokens=LARGE_POOL,
+        chunked_prefill_size=CHUNKED_PREFILL,
+        prefetch_threshold=PREFETCH_THRESHOLD,
+        page_size=PAGE_SIZE,
+        storage_extra_config=storage_extra,
+    )
+
+
+def _server(cfg: ServerConfig, log: Path) -> Server:
+    return Server(cfg, log, startup_timeout=STARTUP_TIMEOUT)
+
+
+def _record(store: Path, sid: str, *, want_open: bool | None = None, timeout: float = 60.0):
+    """The session's row in the persisted table (written asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if table.list_tables(store):
+            with StoreDirs(store, create=False) as dirs:
+                for name in table.list_tables(store):
+                    data = table.read_table_bytes(dirs, name)
+                    for r in table.decode(data or b"", None)[1] if data else []:
+                        if r.id == sid and (want_open is None or r.open == want_open):
+                            return r
+        if time.monotonic() > deadline:
+            raise AssertionError(f"session {sid} (open={want_open}) not in the table of {store}")
+        time.sleep(0.2)
+
+
+def _kv_keys(store: Path) -> set[str]:
+    names = (parse_page_name(n) for n in os.listdir(store / "pages"))
+    return {n.key for n in names if n is not None and n.pool == "kv"}
+
+
+def _pages_bytes(store: Path) -> int:
+    d = store / "pages"
+    return sum(os.path.getsize(d / n) for n in os.listdir(d))
+
+
+def _same(got, want, what: str) -> None:
+    assert got.output_ids == want.output_ids, f"{what}: tokens differ"
+    assert got.logprobs == want.logprobs, f"{what}: logprobs differ"
+
+
+def _reference(tmp_path: Path):
+    if "ref" not in _MEASURED:
+        with _server(_config(None), tmp_path / "ref.log") as ref:
+            r1 = ref.generate(A0, NEW)
+            ctx2 = A0 + r1.output_ids + prompt(301, 48)
+            r2 = ref.generate(ctx2, NEW)
+        _MEASURED["ref"] = (r1, ctx2, r2)  # type: ignore[assignment]
+    return _MEASURED["ref"]
+
+
+def test_session_survives_a_restart_and_continues_from_l3(tmp_path):
+    r1, ctx2, r2 = _reference(tmp_path)
+    store = tmp_path / "store"
+    with _server(_config(store), tmp_path / "first.log") as s1:
+        g1 = s1.generate(A0, NEW, extra={"session_id": SID})
+        _same(g1, r1, "turn 1")
+        rec = _record(store, SID)
+    assert rec.open and rec.tokens == len(A0) + NEW
+    assert len(rec.keys) == (len(A0) + NEW) // PAGE_SIZE
+    stored = _kv_keys(store)
+    # the chain the registry recorded is the chain HiCache named its pages with
+    assert stored and stored <= set(rec.keys), (sorted(stored)[:3], rec.keys[:3])
+    assert rec.keys[: len(stored)] == [k for k in rec.keys if k in stored]
+    _MEASURED["context_bytes"] = _pages_bytes(store)
+
+    with _server(_config(store), tmp_path / "restarted.log") as s2:
+        g2 = s2.generate(ctx2, NEW, extra={"session_id": SID})
+        rec2 = _record(store, SID, timeout=60)
+        while rec2.tokens != len(ctx2) + NEW:
+            time.sleep(0.2)
+            rec2 = _record(store, SID)
+    assert g2.cached_storage >= 256, f"turn 2 after the restart: {g2.source}"
+    _same(g2, r2, "turn 2 after a restart")
+    assert rec2.open
+
+
+def test_byte_cap_keeps_open_sessions_and_releases_closed_ones(tmp_path):
+    _, ctx2, _ = _reference(tmp_path)
+    if "context_bytes" not in _MEASURED:
+        probe = tmp_path / "probe"
+        with _server(_config(probe), tmp_path / "probe.log") as s:
+            s.generate(A0, NEW)
+        _MEASURED["context_bytes"] = _pages_bytes(probe)
+    x = _MEASURED["context_bytes"]
+    store = tmp_path / "capped"
+    with _server(
+        _config(store, max_bytes=int(1.5 * x), min_free_bytes=0),
+        tmp_path / "capped.log",
+    ) as s:
+        s.generate(A0, NEW, extra={"session_id": SID})
+        rec = _record(store, SID)
+        held = _kv_keys(store) & set(rec.keys)
+        assert held
+        for i in range(3):  # plain traffic: 3 more contexts of the same size
+            s.generate(prompt(400 + i, 400), NEW)
+        assert _pages_bytes(store) <= 1.5 * x
+        assert held <= _kv_keys(store), "an open session's pages were evicted before plain ones"
+        s.flush_cache()
+        g = s.generate(ctx2, NEW, extra={"session_id": SID})
+        assert g.cached_storage >= 256, f"open session under the cap: {g.source}"
+
+        assert s.post("/close_session", {"session_id": SID})[0] == 200
+        _record(store, SID, want_open=False)
+        before = _kv_keys(store) & set(_record(store, SID).keys)
+        for i in range(3):
+            s.generate(prompt(500 + i, 400), NEW)
+        after = _kv_keys(store) & set(_record(store, SID).keys)
+        assert len(after) < len(before), "a closed session's pages must become evictable"
+
+
+def _wait_hint(s: Server, hint_id: str, timeout: float = 600.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = json.loads(s._request("GET", f"/sglang_l3/prefetch/{hint_id}"))
+        if st["state"] != "staging":
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"hint {hint_id} still staging after {timeout} s")
+        time.sleep(0.2)
+
+
+def _post(s: Server, path: str, body) -> tuple[int, dict]:
+    return s.post(path, body)
+
+
+def test_speaks_next_hint_stages_from_l3_to_device(tmp_path):
+    r1, ctx2, r2 = _reference(tmp_path)
+    b0 = prompt(310, 400)
+    store = tmp_path / "store"
+    cfg = _config(store)
+    cfg.max_total_tokens = SMALL_POOL  # the device pool holds one agent's context
+    with _server(cfg, tmp_path / "hints.log") as s:
+        _same(s.generate(A0, NEW, extra={"session_id": SID}), r1, "A turn 1")
+        b1 = s.generate(b0, NEW, extra={"session_id": "agent-b"})  # A leaves the device
+        # hint A, then A's request at once: the request joins the hint
+        code, h = _post(s, "/sglang_l3/prefetch", {"session_id": SID})
+        assert code == 200 and h["tokens"] == len(A0) + NEW and h["state"] in ("staging", "landed")
+        a2 = s.generate(ctx2, NEW, extra={"session_id": SID})
+        st = _wait_hint(s, h["hint_id"])
+        assert st["state"] == "landed" and st["cached"]["storage"] >= 256, st
+        assert a2.cached_storage == 0 and a2.cached_device >= 256, f"A turn 2 after the hint: {a2.source}"
+        _same(a2, r2, "A turn 2 after a hint")
+
+        # hint B and wait for it: B's next turn is served from the device
+        ctx_b2 = b0 + b1.output_ids + prompt(311, 48)
+        code, hb = _post(s, "/sglang_l3/prefetch", {"input_ids": b0 + b1.output_ids})
+        assert code == 200
+        assert _wait_hint(s, hb["hint_id"])["state"] == "landed"
+        b2 = s.generate(ctx_b2, NEW, extra={"session_id": "agent-b"})
+        assert b2.cached_storage == 0 and b2.cached_device >= 256, f"B turn 2: {b2.source}"
+
+        # clear answers
+        assert _post(s, "/sglang_l3/prefetch", {"session_id": "nobody"})[0] == 404
+        assert _post(s, "/sglang_l3/prefetch", {"input_ids": [10**9]})[0] == 400
+        assert _post(s, "/sglang_l3/prefetch", {})[0] == 400
+        twice = prompt(320, 300)
+        (c1, h1), (c2, h2) = (
+            _post(s, "/sglang_l3/prefetch", {"input_ids": twice}),
+            _post(s, "/sglang_l3/prefetch", {"input_ids": twice}),
+        )
+        assert c1 == c2 == 200
+        if h1["hint_id"] != h2["hint_id"]:  # the first had landed already
+            assert _wait_hint(s, h1["hint_id"])["state"] == "landed" and not h2["joined"]
+        else:
+            assert h2["joined"]
+        assert _wait_hint(s, h2["hint_id"])["state"] == "landed"
+        info = json.loads(s._request("GET", "/sglang_l3/sessions"))
+        assert info["hints"].get("staging", 0) == 0 and info["hints"].get("failed", 0) == 0
+        assert {r["id"] for r in info["sessions"]} >= {SID, "agent-b"}
+        # the server still answers exactly after all of it
+        _same(s.generate(ctx2, NEW), r2, "A turn 2 again")

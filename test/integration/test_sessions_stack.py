@@ -1,0 +1,137 @@
+"""Patch `sessions` over the real cache stack (UnifiedRadixCache + buffer-only
+HiCache + the sglang-l3 store, both tree cores, the real scheduler admission
+path): a finished request of a session records exactly the chain of page keys
+HiCache names its L3 pages with; the scheduler's session calls open/close it;
+a fresh process (new stack over the same directory) still has the session.
+Negative control: with the patch undone nothing is recorded."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from sglang_l3.patches.sessions import registry_of
+from sglang_l3.storage.format import parse_page_name
+from sglang_l3.testing.scheduler_harness import SchedulerHarness
+from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
+
+SEQ = list(range(1, 277))  # 276 tokens; page size 1 (one L3 page per token and pool)
+
+
+@pytest.fixture(autouse=True)
+def _small_host_reserve(monkeypatch):
+    """Upstream keeps 10 GiB of host RAM free before it builds any host pool
+    (pool_host/base.py host_memory_budget_bytes); the pools here are a few MiB,
+    and the shared test machine often has less than 10 GiB available."""
+    from sglang.srt.mem_cache.pool_host import base
+
+    monkeypatch.setattr(base, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 256 * 2**20)
+
+
+@pytest.fixture(params=TREE_CORES)
+def core(request) -> str:
+    return request.param
+
+
+def _kv_keys(root) -> set[str]:
+    names = (parse_page_name(n) for n in os.listdir(os.path.join(root, "pages")))
+    return {n.key for n in names if n is not None and n.pool == "kv"}
+
+
+def _serve(h: SchedulerHarness, seq, sid=None):
+    req = h.make_req(seq)
+    if sid is not None:
+        req.session_id = sid
+    h.serve(req)
+    h.stack.flush_backups()
+    return req
+
+
+def _scheduler_calls(h: SchedulerHarness, st: L3Stack):
+    from sglang.srt.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.session.session_controller import SessionController
+
+    h.s.enable_session_radix_cache = False
+    h.s.session_controller = SessionController(st.cache)
+    from sglang.srt.runtime_context import get_parallel
+
+    def open_session(sid):
+        with get_parallel().override(attn_cp_rank=0):
+            return Scheduler.open_session(
+                h.s, OpenSessionReqInput(capacity_of_str_len=0, session_id=sid)
+            )
+
+    return (
+        open_session,
+        lambda sid: Scheduler.close_session(h.s, CloseSessionReqInput(session_id=sid)),
+    )
+
+
+def test_session_chain_is_the_l3_chain_and_survives_a_restart(tmp_path, core):
+    spec = HybridSpec(page_size=1, kv_size=2048)
+    with L3Stack(spec, str(tmp_path), tree_core=core) as st:
+        h = SchedulerHarness(st)
+        req = _serve(h, SEQ, "agent-a")
+        _serve(h, list(range(500, 600)))  # plain: no session
+        reg = registry_of(st.cache)
+        assert reg is not None
+        rec = reg.get("agent-a")
+        assert rec is not None and rec.open and rec.tokens == len(SEQ) + 1
+        assert len(rec.keys) == len(SEQ) + 1
+        assert [r.id for r in reg.records()] == ["agent-a"]
+        stored = _kv_keys(tmp_path)
+        mine = stored & set(rec.keys)
+        # every page of the session's prefix that HiCache stored carries a key of the chain
+        assert len(mine) >= 256, (len(mine), len(stored))
+        assert rec.keys[: len(mine)] == [k for k in rec.keys if k in mine]
+        open_session, close_session = _scheduler_calls(h, st)
+        close_session("agent-a")
+        assert reg.get("agent-a").open is False
+        open_session("agent-a")
+        assert reg.get("agent-a").open is True
+        assert req.session_id == "agent-a"
+    with L3Stack(spec, str(tmp_path), tree_core=core) as fresh:
+        again = registry_of(fresh.cache).get("agent-a")
+        assert again is not None and again.keys == rec.keys and again.open
+
+
+@pytest.mark.parametrize("without", ["sessions"], indirect=True)
+def test_without_patch_nothing_is_recorded(tmp_path, without):
+    with L3Stack(HybridSpec(page_size=1, kv_size=2048), str(tmp_path)) as st:
+        h = SchedulerHarness(st)
+        _serve(h, SEQ, "agent-a")
+        assert registry_of(st.cache).get("agent-a") is None
+
+
+def test_prefill_only_hint_restores_from_l3_and_leaves_the_context_on_device(
+    tmp_path, core
+):
+    """What a "speaks next" hint is to the scheduler: a prefill-only request
+    (max_new_tokens 0) for the context. Through upstream's admission path it
+    restores the prefix from L3 and leaves it on the device, so the next turn
+    matches on the device and reads nothing from L3."""
+    spec = HybridSpec(page_size=1, kv_size=2048)
+    with L3Stack(spec, str(tmp_path), tree_core=core) as st:
+        h = SchedulerHarness(st)
+        _serve(h, SEQ, "agent-a")
+        ctx = SEQ + [7]  # the turn's context: prompt + its output token
+        st.evict_all()
+        assert st.match(ctx).device_prefix_len == 0
+        backend = st.cache.cache_controller.storage_backend
+        reads = backend.store.counters.get("read_hits")
+        hint = h.make_req(ctx, rid="sglang-l3-hint-test", max_new_tokens=0)
+        h.serve(hint)
+        st.flush_backups()
+        assert backend.store.counters.get("read_hits") > reads, (
+            "the hint did not read from L3"
+        )
+        on_device = st.match(ctx).device_prefix_len
+        assert on_device >= 256, on_device
+        reads = backend.store.counters.get("read_hits")
+        nxt = h.make_req(ctx + list(range(900, 920)))
+        h.arrive(nxt)
+        h.wait_prefetch(nxt)
+        assert backend.store.counters.get("read_hits") == reads, (
+            "the next turn read L3 again"
+        )

@@ -1,0 +1,191 @@
+"""The "speaks next" hint book (issue 13, stage 3), without a server: input
+checks, de-duplication of identical hints, requests joining an in-flight hint.
+(The server test drives it through upstream's TokenizerManager.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sglang_l3.patches import framework
+from sglang_l3.session_hints import (
+    HINT_RID_PREFIX,
+    HintBook,
+    HintError,
+    request_ids_and_session,
+)
+
+
+class _Obj:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _Scheduler:
+    """Stands in for TokenizerManager.generate_request: answers each request
+    when the test releases it, with the metadata upstream returns."""
+
+    def __init__(self):
+        self.release = asyncio.Event()
+        self.seen = []
+
+    async def generate_request(self, obj, request=None):
+        self.seen.append(obj)
+        await self.release.wait()
+        yield {
+            "meta_info": {
+                "cached_tokens": 128,
+                "cached_tokens_details": {"storage": 128},
+                "finish_reason": {"type": "length"},
+            }
+        }
+
+
+def test_validation_gives_clear_answers():
+    book = HintBook()
+    for body, status in (
+        ([], 400),
+        ({}, 400),
+        ({"session_id": ""}, 400),
+        ({"session_id": "x"}, 404),
+        ({"input_ids": []}, 400),
+        ({"input_ids": [1, "a"]}, 400),
+        ({"input_ids": [True]}, 400),
+        ({"input_ids": [5, 1000]}, 400),
+        ({"input_ids": list(range(10))}, 400),
+    ):
+        with pytest.raises(HintError) as e:
+            book.validate(body, vocab_size=1000, context_len=8)
+        assert e.value.status == status, body
+    book.remember("s", [1, 2, 3])
+    assert book.validate({"session_id": "s"}, 1000, 8) == ([1, 2, 3], "s")
+    assert book.validate({"session_id": "s", "input_ids": [4]}, 1000, 8) == ([4], "s")
+
+
+def test_identical_hints_run_once_and_requests_join():
+    async def main():
+        book, sched = HintBook(), _Scheduler()
+        h1, created1 = book.start(sched, [1, 2, 3, 4], "s")
+        h2, created2 = book.start(sched, [1, 2, 3, 4], None)
+        assert created1 and not created2 and h1 is h2
+        await asyncio.sleep(0)
+        assert [o.rid for o in sched.seen] == [h1.id] and h1.id.startswith(
+            HINT_RID_PREFIX
+        )
+        assert sched.seen[0].sampling_params == {"max_new_tokens": 0}
+        # a request extending the hinted context waits; an unrelated one does not
+        assert book.covering([1, 2, 3, 4, 9], None) == [h1]
+        assert (
+            book.covering([1, 2, 3], None) == []
+            and book.covering([7, 2, 3, 4, 5], None) == []
+        )
+        assert book.covering(None, "s") == [h1]
+        waiter = asyncio.create_task(book.join([1, 2, 3, 4, 5], None))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        sched.release.set()
+        assert await asyncio.wait_for(waiter, 10) == 1
+        assert h1.state == "landed" and h1.cached["storage"] == 128
+        assert book.covering([1, 2, 3, 4, 5], None) == []
+        h3, created3 = book.start(
+            sched, [1, 2, 3, 4], None
+        )  # landed: a new hint may run
+        assert created3 and h3 is not h1
+        await asyncio.wait_for(h3.done.wait(), 10)
+
+    asyncio.run(main())
+
+
+def test_a_failing_hint_is_a_state():
+    class Broken:
+        async def generate_request(self, obj, request=None):
+            raise RuntimeError("scheduler said no")
+            yield  # pragma: no cover
+
+    async def main():
+        book = HintBook()
+        h, _ = book.start(Broken(), [1, 2], None)
+        await asyncio.wait_for(h.done.wait(), 10)
+        assert h.state == "failed" and "scheduler said no" in h.error
+        assert await book.join([1, 2, 3], None) == 0
+
+    asyncio.run(main())
+
+
+def test_request_ids_and_session():
+    assert request_ids_and_session(_Obj(rid=HINT_RID_PREFIX + "x", input_ids=[1])) == (
+        None,
+        None,
+        True,
+    )
+    assert request_ids_and_session(
+        _Obj(rid="r", input_ids=[1, 2], session_id="a", session_params=None)
+    ) == ([1, 2], "a", False)
+    assert request_ids_and_session(
+        _Obj(rid="r", input_ids=[[1]], session_id=None, session_params={"id": "b"})
+    ) == (None, "b", False)
+
+
+def test_patches_apply():
+    for pid in ("sessions", "session-hints"):
+        st = framework.get_status(pid)
+        assert st is not None and st.state == framework.State.APPLIED, (
+            pid,
+            st and st.detail,
+        )
+
+
+def test_routes_answer_clearly(monkeypatch, tmp_path):
+    """The routes on a FastAPI app, over a stand-in tokenizer manager (the
+    server test drives them through upstream's)."""
+    import sys
+    import types
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from sglang_l3.patches import session_hints as patch
+    from sglang_l3.session_hints import BOOK
+
+    class _TM(_Scheduler):
+        def __init__(self):
+            super().__init__()
+            self.gracefully_exit = False
+            self.model_config = _Obj(vocab_size=1000)
+            self.context_len = 4096
+            self.server_args = _Obj(
+                hicache_storage_backend="file",
+                hicache_storage_backend_extra_config=f'{{"store_dir": "{tmp_path}"}}',
+            )
+            self.release.set()
+
+    tm = _TM()
+    monkeypatch.setitem(
+        sys.modules,
+        patch.HTTP,
+        types.SimpleNamespace(
+            _global_state=types.SimpleNamespace(tokenizer_manager=tm)
+        ),
+    )
+    app = FastAPI()
+    patch.add_routes(app)
+    c = TestClient(app)
+    assert (
+        c.post("/sglang_l3/prefetch", json={"session_id": "nobody"}).status_code == 404
+    )
+    assert c.post("/sglang_l3/prefetch", content=b"{not json").status_code == 400
+    assert (
+        c.post("/sglang_l3/prefetch", json={"input_ids": [1, 5000]}).status_code == 400
+    )
+    r = c.post("/sglang_l3/prefetch", json={"input_ids": [1, 2, 3]})
+    assert r.status_code == 202, r.text
+    hid = r.json()["hint_id"]
+    st = c.get(f"/sglang_l3/prefetch/{hid}").json()
+    assert st["state"] in ("staging", "landed") and st["tokens"] == 3
+    assert c.get("/sglang_l3/prefetch/nope").status_code == 404
+    info = c.get("/sglang_l3/sessions").json()
+    assert info["store"] == str(tmp_path) and info["sessions"] == []
+    tm.gracefully_exit = True
+    assert (
+        c.post("/sglang_l3/prefetch", json={"input_ids": [1, 2, 3]}).status_code == 503
+    )
+    BOOK.hints.clear()
