@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("SGLANG_L3_TEST", "1")
+os.environ.setdefault("SGLANG_L3_PUBLISH_STATS", "0")  # a benchmark server is not a server to report in doctor --stats
 
 from sglang_l3.testing.server import (
     Server,
