@@ -91,8 +91,7 @@ def _run(label: str, prompts: list[list[int]], seed: int, store_dir: str) -> Res
             if fresh.cache.buffer_pipeline.has_staged(hnd):
                 fresh.cache.buffer_pipeline.release_staged_hold(hnd, reason="bench_replay")
             fresh.evict_all()
-    return Result(label, len(prompts), cov.kv_bytes, cov.state_bytes, cov.fraction, cov.exact,
-                  restored, shared)
+    return Result(label, len(prompts), cov.kv_bytes, cov.state_bytes, cov.fraction, cov.exact, restored, shared)
 
 
 def main() -> int:
@@ -117,12 +116,16 @@ def main() -> int:
             framework.undo("branch-backup")
         with tempfile.TemporaryDirectory(prefix=f"l3cov-{label}-") as d:
             results.append(_run(label, prompts, args.seed, d))
-    print(f"workload: {args.agents} agents x {args.turns} turns = {len(prompts)} requests, "
-          f"seed {args.seed}, page_size 1, chunked prefill 256")
+    print(
+        f"workload: {args.agents} agents x {args.turns} turns = {len(prompts)} requests, "
+        f"seed {args.seed}, page_size 1, chunked prefill 256"
+    )
     print(f"{'':10} {'KV MiB':>8} {'state MiB':>10} {'state/KV':>9} {'coverage':>9} {'exact':>6} {'replay hit':>11}")
     for r in results:
-        print(f"{r.label:10} {r.kv_bytes / 2**20:8.2f} {r.state_bytes / 2**20:10.2f} "
-              f"{r.state_bytes / max(r.kv_bytes, 1):9.3f} {r.coverage:9.4f} {str(r.exact):>6} {r.hit_rate:11.4f}")
+        print(
+            f"{r.label:10} {r.kv_bytes / 2**20:8.2f} {r.state_bytes / 2**20:10.2f} "
+            f"{r.state_bytes / max(r.kv_bytes, 1):9.3f} {r.coverage:9.4f} {str(r.exact):>6} {r.hit_rate:11.4f}"
+        )
     ok = results[0].coverage >= 0.99
     print(f"restorable coverage target >= 0.99: {'met' if ok else 'NOT met'}")
     return 0 if ok else 1

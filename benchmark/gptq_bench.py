@@ -57,8 +57,10 @@ def main(argv: list[str]) -> int:
     dev = torch.device("cuda")
     info = dispatch.device_info(dev)
     found = dispatch.installed()
-    print(f"device {torch.cuda.get_device_name(dev)} ({info.arch or 'cuda'}), {args.bits}-bit g{args.group} "
-          f"{args.dtype}; native probe: {'; '.join(found.notes) or 'ok'}")
+    print(
+        f"device {torch.cuda.get_device_name(dev)} ({info.arch or 'cuda'}), {args.bits}-bit g{args.group} "
+        f"{args.dtype}; native probe: {'; '.join(found.notes) or 'ok'}"
+    )
     rows: list[dict[str, Any]] = []
     hdr = f"{'K=N':>5s} {'M':>4s} {'kernel':42s} {'us':>9s} {'TFLOP/s':>8s} {'/ dense':>8s} {'check':s}"
     print(hdr)
@@ -68,10 +70,8 @@ def main(argv: list[str]) -> int:
         G = size // args.group
         zeros = torch.full((G, size), 1 << (args.bits - 1), device=dev, dtype=torch.int64)
         scales = (torch.rand(G, size, device=dev, generator=g) * 0.01 + 0.001).to(dtype)
-        ck = dispatch.Checkpoint(R.pack_rows(q, args.bits), R.encode_zeros(zeros, args.bits, "v1"),
-                                 scales, None)
-        layer, _ = dispatch.pack_layer(ck, bits=args.bits, group_size=args.group, desc_act=False,
-                                       declared="v1")
+        ck = dispatch.Checkpoint(R.pack_rows(q, args.bits), R.encode_zeros(zeros, args.bits, "v1"), scales, None)
+        layer, _ = dispatch.pack_layer(ck, bits=args.bits, group_size=args.group, desc_act=False, declared="v1")
         w32 = R.dequantize(ck.qweight, ck.qzeros, scales, layer.g_idx_or_sequential(), args.bits, "v1")
         w16 = w32.to(torch.float16)
         for m in args.ms:
@@ -80,20 +80,46 @@ def main(argv: list[str]) -> int:
             dense_us = _time(lambda: xh @ w16, args.iters)
             flops = 2.0 * m * size * size
             ref = x.float() @ w32
-            rows.append({"size": size, "m": m, "kernel": "dense fp16 matmul", "us": dense_us,
-                         "tflops": flops / dense_us / 1e6, "vs_fp16": 1.0, "check": "baseline"})
+            rows.append(
+                {
+                    "size": size,
+                    "m": m,
+                    "kernel": "dense fp16 matmul",
+                    "us": dense_us,
+                    "tflops": flops / dense_us / 1e6,
+                    "vs_fp16": 1.0,
+                    "check": "baseline",
+                }
+            )
             for k in dispatch.candidates(found):
                 why = k.unavailable(layer, dtype, info)
                 if why:
-                    rows.append({"size": size, "m": m, "kernel": k.name, "us": None, "tflops": None,
-                                 "vs_fp16": None, "check": f"n/a: {why}"})
+                    rows.append(
+                        {
+                            "size": size,
+                            "m": m,
+                            "kernel": k.name,
+                            "us": None,
+                            "tflops": None,
+                            "vs_fp16": None,
+                            "check": f"n/a: {why}",
+                        }
+                    )
                     continue
                 run = dispatch.LayerGemm(k.prepare(layer, dtype).run, None, size, k.name)
                 c = R.compare(run(x), ref, dtype)
                 us = _time(lambda: run(x), args.iters)
-                rows.append({"size": size, "m": m, "kernel": k.name, "us": us,
-                             "tflops": flops / us / 1e6, "vs_fp16": us / dense_us,
-                             "check": ("ok " if c.ok else "MISMATCH ") + str(c)})
+                rows.append(
+                    {
+                        "size": size,
+                        "m": m,
+                        "kernel": k.name,
+                        "us": us,
+                        "tflops": flops / us / 1e6,
+                        "vs_fp16": us / dense_us,
+                        "check": ("ok " if c.ok else "MISMATCH ") + str(c),
+                    }
+                )
             for r in rows:
                 if r["size"] == size and r["m"] == m and not r.get("_printed"):
                     r["_printed"] = True

@@ -90,13 +90,7 @@ class ModelShape:
         return [i for i in range(self.num_hidden_layers) if (i + 1) % n == 0]
 
     def kv_bytes_per_token(self, tp: int = TP) -> int:
-        return (
-            len(self.full_layers)
-            * 2
-            * (self.num_key_value_heads // tp)
-            * self.head_dim
-            * 2
-        )
+        return len(self.full_layers) * 2 * (self.num_key_value_heads // tp) * self.head_dim * 2
 
     def conv_dim(self, tp: int = TP) -> int:
         k = self.linear_num_key_heads * self.linear_key_head_dim
@@ -105,12 +99,7 @@ class ModelShape:
 
     def state_bytes(self, tp: int = TP) -> int:
         gdn = self.num_hidden_layers - len(self.full_layers)
-        temporal = (
-            (self.linear_num_value_heads // tp)
-            * self.linear_key_head_dim
-            * self.linear_value_head_dim
-            * 4
-        )
+        temporal = (self.linear_num_value_heads // tp) * self.linear_key_head_dim * self.linear_value_head_dim * 4
         conv = self.conv_dim(tp) * (self.linear_conv_kernel_dim - 1) * 2
         return gdn * (temporal + conv)
 
@@ -136,8 +125,7 @@ def hybrid_spec(m: ModelShape, context: int, tp: int = TP) -> Any:
         max_num_reqs=2,
         max_context_len=context + 2 * PAGE,
         mamba_cache_size=4,
-        mamba_intermediate_size=(m.linear_num_value_heads // tp)
-        * m.linear_value_head_dim,
+        mamba_intermediate_size=(m.linear_num_value_heads // tp) * m.linear_value_head_dim,
         mamba_n_groups=m.linear_num_key_heads // tp,
         mamba_num_heads=m.linear_num_value_heads // tp,
         mamba_head_dim=m.linear_value_head_dim,
@@ -174,9 +162,7 @@ def drop_page_cache(path: str) -> str:
     return "fadvise(DONTNEED)"
 
 
-def write_context(
-    m: ModelShape, context: int, store: str
-) -> tuple[list[int], list[str]]:
+def write_context(m: ModelShape, context: int, store: str) -> tuple[list[int], list[str]]:
     """Write one `context`-token sequence through a 1/4 buffer; return (tokens, KV page keys)."""
     from sglang_l3.testing.stack import L3Stack
 
@@ -191,18 +177,14 @@ def write_context(
     return seq, keys
 
 
-def measure_restore(
-    m: ModelShape, seq: list[int], store: str, buffer_tokens: int
-) -> dict:
+def measure_restore(m: ModelShape, seq: list[int], store: str, buffer_tokens: int) -> dict:
     """Cold storage -> device restore through a `buffer_tokens` host buffer."""
     from sglang_l3.testing.stack import L3Stack, RestoreFailed
 
     spec = hybrid_spec(m, len(seq))
     with L3Stack(spec, store, server_args=buffer_args(spec, buffer_tokens)) as st:
         cc = st.cache.cache_controller
-        cc.prefetch_capacity_limit = int(
-            0.9 * cc.mem_pool_host.size
-        )  # upstream's limit
+        cc.prefetch_capacity_limit = int(0.9 * cc.mem_pool_host.size)  # upstream's limit
         host = cc.mem_pool_host.size
         how = drop_page_cache(store)
         c0, t0 = time.process_time(), time.perf_counter()
@@ -237,14 +219,9 @@ def restore_busy(st: Any, seq: list[int]) -> tuple[Any, int]:
     cache = st.cache
     bp = cache.buffer_pipeline
     h = CacheRequestHandle("bench", 0)
-    cache.prefetch_from_storage(
-        h, cache.root_node_handle(), array("q", seq), None, None
-    )
+    cache.prefetch_from_storage(h, cache.root_node_handle(), array("q", seq), None, None)
     deadline = time.monotonic() + 3600
-    while not (
-        cache.check_prefetch_progress(h)
-        and (bp.has_staged(h) or h not in bp.staged_prefetches)
-    ):
+    while not (cache.check_prefetch_progress(h) and (bp.has_staged(h) or h not in bp.staged_prefetches)):
         if time.monotonic() > deadline:
             raise RestoreFailed("prefetch did not finish")
         cache.check_hicache_events()
@@ -255,9 +232,7 @@ def restore_busy(st: Any, seq: list[int]) -> tuple[Any, int]:
     return st.admit(h, seq, "bench")
 
 
-def measure_upstream(
-    m: ModelShape, seq: list[int], store: str, buffer_tokens: int
-) -> int:
+def measure_upstream(m: ModelShape, seq: list[int], store: str, buffer_tokens: int) -> int:
     """Tokens upstream restores on the same row (the streamed-restore patch undone)."""
     from sglang_l3.patches import framework
 
@@ -269,9 +244,7 @@ def measure_upstream(
         framework.apply_one(spec)
 
 
-def measure_store_read(
-    m: ModelShape, keys: list[str], store: str, context: int
-) -> dict:
+def measure_store_read(m: ModelShape, keys: list[str], store: str, context: int) -> dict:
     """The store's own cold read of the same KV pages into a host pool (batch_get_v1)."""
     from sglang_l3.testing.stack import L3Stack
 
@@ -284,9 +257,7 @@ def measure_store_read(
         ok = 0
         for i in range(0, len(keys), 128):
             batch = keys[i : i + 128]
-            res = cc.storage_backend.batch_get_v1(
-                batch, host[i * PAGE : (i + len(batch)) * PAGE]
-            )
+            res = cc.storage_backend.batch_get_v1(batch, host[i * PAGE : (i + len(batch)) * PAGE])
             ok += sum(bool(x) for x in res)
         wall = time.perf_counter() - t0
         cc.mem_pool_host.free(host)
@@ -306,9 +277,7 @@ def log(msg: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--contexts", default="8192,32768,131072", help="comma-separated token counts"
-    )
+    ap.add_argument("--contexts", default="8192,32768,131072", help="comma-separated token counts")
     ap.add_argument("--models", default=",".join(m.name for m in MODELS))
     ap.add_argument(
         "--max-gib",
@@ -316,9 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="skip rows needing more memory (default: 60%% of MemAvailable)",
     )
-    ap.add_argument(
-        "--dir", default=None, help="store directory (default: a temp dir, removed)"
-    )
+    ap.add_argument("--dir", default=None, help="store directory (default: a temp dir, removed)")
     args = ap.parse_args(argv)
 
     warnings.filterwarnings("ignore")
@@ -330,9 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     sglang_l3.cpu.enable()
     from sglang_l3.patches import framework
 
-    framework.apply_all(
-        [s for s in framework.load_series() if s.group in ("hicache", "storage")]
-    )
+    framework.apply_all([s for s in framework.load_series() if s.group in ("hicache", "storage")])
     import sglang.srt.mem_cache.pool_host.base as host_base
 
     # Upstream keeps 10 GiB of host RAM free for the serving process; this benchmark
@@ -341,9 +306,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.max_gib is None:
         with open("/proc/meminfo") as f:
-            avail = next(
-                int(line.split()[1]) for line in f if line.startswith("MemAvailable")
-            )
+            avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
         args.max_gib = 0.6 * avail / 2**20
     contexts = [int(x) for x in args.contexts.split(",")]
     models = [m for m in MODELS if m.name in args.models.split(",")]
@@ -353,9 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# per-rank sizes, TP={TP}, page {PAGE}; memory budget {args.max_gib:.1f} GiB (upstream host reserve lowered to 1 GiB)"
     )
     for m in models:
-        print(
-            f"# {m.name}: KV {m.kv_bytes_per_token()} B/token, GDN state {m.state_bytes()} B"
-        )
+        print(f"# {m.name}: KV {m.kv_bytes_per_token()} B/token, GDN state {m.state_bytes()} B")
     hdr = (
         f"{'model':20s} {'context':>8s} {'buffer':>6s} {'host_tok':>8s} {'tokens':>8s} {'bytes':>12s} "
         f"{'restore_s':>9s} {'GB/s':>6s} {'store_GB/s':>10s} {'ratio':>6s} {'cpu_s/GiB':>9s} {'exact':>5s} {'upstream':>8s}"
@@ -376,26 +337,16 @@ def main(argv: list[str] | None = None) -> int:
                 seq, keys = write_context(m, context, store)
                 kv_bytes = len(keys) * PAGE * m.kv_bytes_per_token()
                 read = measure_store_read(m, keys, store, context)
-                store_gbps = (
-                    kv_bytes / read["wall"] / 1e9
-                    if read["pages"] == len(keys)
-                    else float("nan")
-                )
+                store_gbps = kv_bytes / read["wall"] / 1e9 if read["pages"] == len(keys) else float("nan")
                 for label, frac in BUFFERS:
                     buf = max(PAGE, int(frac * context) // PAGE * PAGE)
                     log(f"[{m.name} {context}] buffer {label} ({buf} tokens) ...")
                     ours = measure_restore(m, seq, store, buf)
                     up = measure_upstream(m, seq, store, buf)
-                    total = ours["loaded"] * m.kv_bytes_per_token() + (
-                        m.state_bytes() if ours["loaded"] else 0
-                    )
+                    total = ours["loaded"] * m.kv_bytes_per_token() + (m.state_bytes() if ours["loaded"] else 0)
                     gbps = total / ours["wall"] / 1e9 if ours["loaded"] else 0.0
                     cpu_gib = ours["cpu"] / (total / 2**30) if total else float("nan")
-                    ratio = (
-                        gbps / store_gbps
-                        if not math.isnan(store_gbps)
-                        else float("nan")
-                    )
+                    ratio = gbps / store_gbps if not math.isnan(store_gbps) else float("nan")
                     print(
                         f"{m.name:20s} {context:>8d} {label:>6s} {ours['host']:>8d} {ours['loaded']:>8d} {total:>12d} "
                         f"{ours['wall']:>9.3f} {gbps:>6.2f} {store_gbps:>10.2f} {ratio:>6.2f} {cpu_gib:>9.2f} "
@@ -403,9 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
                     if label == "1/16":
-                        small.append(
-                            (context, ratio, ours["loaded"] / len(seq), up / len(seq))
-                        )
+                        small.append((context, ratio, ours["loaded"] / len(seq), up / len(seq)))
             except (ValueError, RuntimeError, MemoryError) as e:
                 # e.g. upstream's host-memory check on a machine shared with other jobs
                 print(
@@ -417,17 +366,13 @@ def main(argv: list[str] | None = None) -> int:
                 if args.dir is None:
                     shutil.rmtree(root, ignore_errors=True)
     if not small:
-        print(
-            "restore_vs_store=nan small_buffer_restored=nan upstream_small_buffer_restored=nan"
-        )
+        print("restore_vs_store=nan small_buffer_restored=nan upstream_small_buffer_restored=nan")
         return 1
     largest = max(c for c, *_ in small)
     r = min(x for c, x, _, _ in small if c == largest)
     f = min(x for _, _, x, _ in small)
     u = max(x for _, _, _, x in small)
-    print(
-        f"restore_vs_store={r:.2f} small_buffer_restored={f:.2f} upstream_small_buffer_restored={u:.2f}"
-    )
+    print(f"restore_vs_store={r:.2f} small_buffer_restored={f:.2f} upstream_small_buffer_restored={u:.2f}")
     return 0
 
 

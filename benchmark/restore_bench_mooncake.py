@@ -92,9 +92,7 @@ def measure(
         ) as st,
     ):
         for r in range(repeats):
-            seq = list(
-                range(1 + r * 7919, 1 + r * 7919 + tokens)
-            )  # a fresh context each round
+            seq = list(range(1 + r * 7919, 1 + r * 7919 + tokens))  # a fresh context each round
             t0 = time.perf_counter()
             want = st.write(seq, marker=float(r + 1))
             writes.append(time.perf_counter() - t0)
@@ -104,24 +102,16 @@ def measure(
             req, loaded = st.restore(seq, f"bench-{r}")
             restores.append(time.perf_counter() - t0)
             m = st.match(seq)
-            if loaded != tokens or not st.snapshot(
-                m.last_device_node, int(req.kv.mamba_pool_idx)
-            ).equal(want):
-                raise SystemExit(
-                    f"{backend}: restore of {tokens} tokens was not exact (loaded {loaded})"
-                )
+            if loaded != tokens or not st.snapshot(m.last_device_node, int(req.kv.mamba_pool_idx)).equal(want):
+                raise SystemExit(f"{backend}: restore of {tokens} tokens was not exact (loaded {loaded})")
             st.release(req)
             st.evict_all()
     return statistics.median(writes), statistics.median(restores)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--tokens", default="1024,4096", help="comma-separated context sizes"
-    )
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1024,4096", help="comma-separated context sizes")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
@@ -153,9 +143,7 @@ def main() -> int:
         return 2
     rows: list[tuple[int, float, float, float, float]] = []
     with contextlib.ExitStack() as stack:
-        tmp = Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="restore-bench-"))
-        )
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="restore-bench-")))
         if args.master:
             extra = {
                 "master_server_address": args.master,
@@ -166,16 +154,12 @@ def main() -> int:
             }
         else:
             seg = max(2 * max(sizes) * BYTES_PER_TOKEN * args.repeats, 512 << 20)
-            cluster = stack.enter_context(
-                mc.MooncakeCluster(tmp / "mooncake", segment_size=f"{seg >> 20}MB")
-            )
+            cluster = stack.enter_context(mc.MooncakeCluster(tmp / "mooncake", segment_size=f"{seg >> 20}MB"))
             extra = cluster.extra_config()
         for n in sizes:
             fdir = args.store_dir or str(tmp / f"file-{n}")
             fw, fr = measure("file", {}, fdir, n, args.page_size, args.repeats)
-            mw, mr = measure(
-                "mooncake", extra, str(tmp / "unused"), n, args.page_size, args.repeats
-            )
+            mw, mr = measure("mooncake", extra, str(tmp / "unused"), n, args.page_size, args.repeats)
             rows.append((n, fw, fr, mw, mr))
     log(
         f"{'tokens':>7} {'MiB':>7} | {'file write':>10} {'restore':>8} {'GB/s':>6} | "
@@ -189,9 +173,7 @@ def main() -> int:
         )
     r_restore = statistics.median(mr / fr for _, _, fr, _, mr in rows)
     r_write = statistics.median(mw / fw for _, fw, _, mw, _ in rows)
-    log(
-        f"restore_mooncake_vs_file={r_restore:.2f} write_mooncake_vs_file={r_write:.2f}"
-    )
+    log(f"restore_mooncake_vs_file={r_restore:.2f} write_mooncake_vs_file={r_write:.2f}")
     return 0
 
 

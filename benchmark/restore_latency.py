@@ -46,14 +46,10 @@ def before() -> Iterator[None]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--agents", type=int, default=4)
-    ap.add_argument(
-        "--store", default=None, help="store directory (default: a temporary one)"
-    )
+    ap.add_argument("--store", default=None, help="store directory (default: a temporary one)")
     ap.add_argument(
         "--first",
         type=int,
@@ -85,9 +81,7 @@ def main() -> int:
 
     if args.one_first:  # child of --first: one write, evict, one timed restore
         with L3Stack(
-            HybridSpec(
-                page_size=64, kv_size=16384, max_context_len=8192, mamba_cache_size=64
-            ),
+            HybridSpec(page_size=64, kv_size=16384, max_context_len=8192, mamba_cache_size=64),
             args.store or _tmp_store(),
         ) as st:
             seq = next(iter(agent_contexts(1, 64, 512).values()))
@@ -99,9 +93,7 @@ def main() -> int:
             st.release(req)
         return 0
 
-    spec = HybridSpec(
-        page_size=64, kv_size=16384, max_context_len=8192, mamba_cache_size=64
-    )
+    spec = HybridSpec(page_size=64, kv_size=16384, max_context_len=8192, mamba_cache_size=64)
     ctxs = agent_contexts(args.agents, 64, 512)
     store = args.store or _tmp_store()
     times: dict[str, list[float]] = {"before": [], "after": []}
@@ -130,9 +122,7 @@ def main() -> int:
                         req, loaded = st.restore(seq, f"{label}-{rnd}-{name}")
                         dt = perf_counter() - t0
                         m = st.match(seq)
-                        if not st.snapshot(
-                            m.last_device_node, int(req.kv.mamba_pool_idx)
-                        ).equal(snaps[name]):
+                        if not st.snapshot(m.last_device_node, int(req.kv.mamba_pool_idx)).equal(snaps[name]):
                             raise SystemExit(f"{label} {name}: restore not bit-exact")
                         sizes.append(restored_bytes(st, loaded))
                         st.release(req)
@@ -189,12 +179,8 @@ def _first_restores(n: int) -> None:
         out[label].append(float(line.split()[1]))
     print(f"first restore of a fresh process, {n} processes each (median):")
     for label, xs in out.items():
-        print(
-            f"  {label:21s}: {statistics.median(xs) * 1e3:6.1f} ms  [{min(xs) * 1e3:.0f}..{max(xs) * 1e3:.0f}]"
-        )
-    ratio = statistics.median(out["without"]) / statistics.median(
-        out["with eager-page-hash"]
-    )
+        print(f"  {label:21s}: {statistics.median(xs) * 1e3:6.1f} ms  [{min(xs) * 1e3:.0f}..{max(xs) * 1e3:.0f}]")
+    ratio = statistics.median(out["without"]) / statistics.median(out["with eager-page-hash"])
     print(f"  without / with: {ratio:.2f}x")
 
 

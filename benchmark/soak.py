@@ -35,14 +35,19 @@ def main() -> int:
     t0 = time.monotonic()
 
     def progress(rep, step):
-        print(f"  step {step}: {rep.requests} requests, {rep.restores} restores, "
-              f"{len(rep.violations)} violations", flush=True)
+        print(
+            f"  step {step}: {rep.requests} requests, {rep.restores} restores, {len(rep.violations)} violations",
+            flush=True,
+        )
 
-    rep = run_soak(args.requests, store, seed=args.seed, page_size=args.page_size,
-                   tree_core=args.tree_core, progress=progress)
-    print(f"soak: {args.requests} requests, seed {args.seed}, page {args.page_size}, "
-          f"tree core {args.tree_core}, SGLANG_L3_VERIFY={os.environ['SGLANG_L3_VERIFY']}, "
-          f"{time.monotonic() - t0:.0f}s")
+    rep = run_soak(
+        args.requests, store, seed=args.seed, page_size=args.page_size, tree_core=args.tree_core, progress=progress
+    )
+    print(
+        f"soak: {args.requests} requests, seed {args.seed}, page {args.page_size}, "
+        f"tree core {args.tree_core}, SGLANG_L3_VERIFY={os.environ['SGLANG_L3_VERIFY']}, "
+        f"{time.monotonic() - t0:.0f}s"
+    )
     for line in rep.lines():
         print("  " + line)
     for v in rep.violations[:10]:

@@ -46,9 +46,7 @@ def workload(rng: random.Random, n: int, agents: int) -> list[tuple[int, list[in
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--agents", type=int, default=8)
@@ -60,17 +58,13 @@ def main() -> int:
         default=640,
         help="tokens; a longer history starts over",
     )
-    ap.add_argument(
-        "--pool", type=int, default=1536, help="device KV tokens (small: evictions)"
-    )
+    ap.add_argument("--pool", type=int, default=1536, help="device KV tokens (small: evictions)")
     ap.add_argument("--p-flush", type=float, default=0.06)
     ap.add_argument("--p-fault", type=float, default=0.08)
     ap.add_argument("--p-abort", type=float, default=0.05)
     ap.add_argument("--request-timeout", type=float, default=180.0)
     ap.add_argument("--startup-timeout", type=float, default=900.0)
-    ap.add_argument(
-        "--work", default=None, help="logs and store (default: a temporary directory)"
-    )
+    ap.add_argument("--work", default=None, help="logs and store (default: a temporary directory)")
     args = ap.parse_args()
 
     from sglang_l3.testing.server import (
@@ -108,9 +102,7 @@ def main() -> int:
     refs = []
     history = {a: list(systems[a % 2]) for a in range(args.agents)}
     t0 = time.monotonic()
-    with Server(
-        config(False), work / "plain.log", startup_timeout=args.startup_timeout
-    ) as plain:
+    with Server(config(False), work / "plain.log", startup_timeout=args.startup_timeout) as plain:
         print(
             f"no-cache TP={args.tp} server up ({time.monotonic() - t0:.0f}s); reference run",
             flush=True,
@@ -131,9 +123,7 @@ def main() -> int:
     flushes = faults = aborts = 0
     max_dlogp = 0.0
     t1 = time.monotonic()
-    server = Server(
-        config(True), work / "hicache.log", startup_timeout=args.startup_timeout
-    )
+    server = Server(config(True), work / "hicache.log", startup_timeout=args.startup_timeout)
     try:
         server.start()
         print(
@@ -174,15 +164,12 @@ def main() -> int:
             requests += 1
             restored += g.cached_storage
             want = refs[i]
-            dlogp = max(
-                (abs(x - y) for x, y in zip(g.logprobs, want.logprobs)), default=0.0
-            )
+            dlogp = max((abs(x - y) for x, y in zip(g.logprobs, want.logprobs)), default=0.0)
             max_dlogp = max(max_dlogp, dlogp)
             if g.output_ids != want.output_ids or dlogp > 0.0:
                 mismatches += 1
                 print(
-                    f"  MISMATCH request {i}: {g.output_ids} vs {want.output_ids} "
-                    f"(dlogprob {dlogp:.3g}, {g.source})",
+                    f"  MISMATCH request {i}: {g.output_ids} vs {want.output_ids} (dlogprob {dlogp:.3g}, {g.source})",
                     flush=True,
                 )
             if (i + 1) % 50 == 0:
@@ -206,9 +193,7 @@ def main() -> int:
     return 1 if (mismatches or hangs or disagreements or requests < len(inputs)) else 0
 
 
-def fault(
-    store: Path, ids: list[int], rng: random.Random, tp: int, get_hash_str
-) -> bool:
+def fault(store: Path, ids: list[int], rng: random.Random, tp: int, get_hash_str) -> bool:
     """Damage one rank's page file of the next request's prefix (or any page)."""
     pages = store / "pages"
     if not pages.is_dir():
@@ -220,11 +205,7 @@ def fault(
     if not wanted:
         return False
     victim = rng.choice(sorted(wanted))
-    mode = rng.choice(
-        ["delete", "truncate", "flip", "foreign"]
-        if tp == 2
-        else ["delete", "truncate", "flip"]
-    )
+    mode = rng.choice(["delete", "truncate", "flip", "foreign"] if tp == 2 else ["delete", "truncate", "flip"])
     try:
         size = victim.stat().st_size
         if mode == "delete":
@@ -238,9 +219,7 @@ def fault(
                 f.seek(size - 100)
                 f.write(bytes([b[0] ^ 0xFF]))
         else:  # the other rank's page of the same key: valid, but another shard
-            other = victim.with_name(
-                victim.name.replace(f".r{rank}of{tp}.", f".r{1 - rank}of{tp}.")
-            )
+            other = victim.with_name(victim.name.replace(f".r{rank}of{tp}.", f".r{1 - rank}of{tp}."))
             tmp = victim.with_suffix(".foreign")
             shutil.copyfile(other, tmp)
             os.replace(tmp, victim)

@@ -118,8 +118,14 @@ def install_allocator(kind: str) -> None:
             n *= int(d)
         nbytes = n * torch.empty(0, dtype=dtype).element_size()
         if nbytes == 0:
-            return orig(dims, dtype=dtype, device=device, pin_memory=False, allocator=allocator,
-                        registration_granularity_bytes=registration_granularity_bytes)
+            return orig(
+                dims,
+                dtype=dtype,
+                device=device,
+                pin_memory=False,
+                allocator=allocator,
+                registration_granularity_bytes=registration_granularity_bytes,
+            )
         buf = mmap.mmap(-1, nbytes)
         _KEEP.append(buf)
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(*dims)
@@ -129,7 +135,10 @@ def install_allocator(kind: str) -> None:
 
 def make_pools(kv_pages: int, mamba_slots: int, mamba_layers: int) -> tuple[Any, Any]:
     from sglang.srt.mem_cache.device_pool_info import (
-        KVBufferLayout, KVBuffers, MambaStateBufferInfo, MHABufferInfo,
+        KVBufferLayout,
+        KVBuffers,
+        MambaStateBufferInfo,
+        MHABufferInfo,
     )
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -138,19 +147,44 @@ def make_pools(kv_pages: int, mamba_slots: int, mamba_layers: int) -> tuple[Any,
     k = [torch.zeros(dev_tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(KV_LAYERS)]
     v = [torch.zeros(dev_tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(KV_LAYERS)]
     info = MHABufferInfo(
-        buffers=KVBuffers(k=tuple(k), v=tuple(v),
-                          k_data_ptrs=torch.tensor([x.data_ptr() for x in k], dtype=torch.uint64),
-                          v_data_ptrs=torch.tensor([x.data_ptr() for x in v], dtype=torch.uint64),
-                          layout=KVBufferLayout.NHD),
-        page_size=PAGE_TOKENS, head_num=KV_HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
-        dtype=torch.bfloat16, device=torch.device("cpu"))
-    kv = MHATokenToKVPoolHost(info, 1.0, 0, PAGE_TOKENS, "page_first", pin_memory=False, device="cpu",
-                              device_capacity_tokens=dev_tokens, start_layer=0, end_layer=KV_LAYERS,
-                              host_token_capacity=kv_pages * PAGE_TOKENS)
+        buffers=KVBuffers(
+            k=tuple(k),
+            v=tuple(v),
+            k_data_ptrs=torch.tensor([x.data_ptr() for x in k], dtype=torch.uint64),
+            v_data_ptrs=torch.tensor([x.data_ptr() for x in v], dtype=torch.uint64),
+            layout=KVBufferLayout.NHD,
+        ),
+        page_size=PAGE_TOKENS,
+        head_num=KV_HEADS,
+        head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    kv = MHATokenToKVPoolHost(
+        info,
+        1.0,
+        0,
+        PAGE_TOKENS,
+        "page_first",
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=dev_tokens,
+        start_layer=0,
+        end_layer=KV_LAYERS,
+        host_token_capacity=kv_pages * PAGE_TOKENS,
+    )
     temporal = torch.zeros(1, dtype=torch.float32).expand(mamba_layers, 1, M_HEADS, M_DK, M_DV)
     conv = (torch.zeros(1, dtype=torch.bfloat16).expand(mamba_layers, 1, CONV_DIM, CONV_K),)
-    mb = MambaPoolHost(MambaStateBufferInfo(temporal=temporal, conv=conv), float(mamba_slots), 0,
-                       device_capacity=1, pin_memory=False, device="cpu", layout="page_first")
+    mb = MambaPoolHost(
+        MambaStateBufferInfo(temporal=temporal, conv=conv),
+        float(mamba_slots),
+        0,
+        device_capacity=1,
+        pin_memory=False,
+        device="cpu",
+        layout="page_first",
+    )
     return kv, mb
 
 
@@ -227,8 +261,9 @@ class Workload:
         return [hashlib.sha256(f"{tag}-{i}".encode()).hexdigest() for i in range(n)]
 
 
-def run_store(name: str, w: Workload, kv: Any, mb: Any, ops: dict[str, Callable], root: str,
-              tmpfs: bool = False) -> dict:
+def run_store(
+    name: str, w: Workload, kv: Any, mb: Any, ops: dict[str, Callable], root: str, tmpfs: bool = False
+) -> dict:
     """Write everything, sync, drop caches, read everything back (cold). CPU
     time is summed over the storage calls (and the sync) only."""
     kv_keys, m_keys = w.keys("kv", w.kv_pages), w.keys("mamba", w.n_states)
@@ -286,9 +321,17 @@ def run_store(name: str, w: Workload, kv: Any, mb: Any, ops: dict[str, Callable]
     cpu_r = cpu_seconds() - c0
     if ok_r != n_pages:
         log(f"  WARNING {name}: {n_pages - ok_r} of {n_pages} reads failed")
-    return {"write": w.total / t_write, "read": w.total / t_read, "t_write": t_write, "t_issue": t_issue,
-            "t_read": t_read, "pages": n_pages, "cache": how,
-            "write_cpu": per_gib(cpu_w, w.total), "read_cpu": per_gib(cpu_r, w.total)}
+    return {
+        "write": w.total / t_write,
+        "read": w.total / t_read,
+        "t_write": t_write,
+        "t_issue": t_issue,
+        "t_read": t_read,
+        "pages": n_pages,
+        "cache": how,
+        "write_cpu": per_gib(cpu_w, w.total),
+        "read_cpu": per_gib(cpu_r, w.total),
+    }
 
 
 def ops_ours(st: Any) -> dict[str, Callable]:
@@ -328,16 +371,30 @@ def ops_upstream(st: Any, kv: Any) -> dict[str, Callable]:
         t = [PoolTransfer(name=PoolName.MAMBA, host_indices=idx, keys=keys, hit_policy=PoolHitPolicy.TRAILING_PAGES)]
         return (st.batch_set_v2 if write else st.batch_get_v2)(t)[PoolName.MAMBA]
 
-    return {"kv_set": kv_set, "kv_get": kv_get, "mamba_set": lambda k, i: m(k, i, True),
-            "mamba_get": lambda k, i: m(k, i, False)}
+    return {
+        "kv_set": kv_set,
+        "kv_get": kv_get,
+        "mamba_set": lambda k, i: m(k, i, True),
+        "mamba_get": lambda k, i: m(k, i, False),
+    }
 
 
 def storage_config(extra: dict) -> Any:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    return HiCacheStorageConfig(tp_rank=0, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                                model_name="Qwen/Qwen3.5-27B-bench", extra_config=extra)
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=2,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="Qwen/Qwen3.5-27B-bench",
+        extra_config=extra,
+    )
 
 
 def register(st: Any, kv: Any, mb: Any) -> None:
@@ -422,20 +479,32 @@ def fmt(r: dict, d: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="2.5GiB", help="bytes written and read per system (default 2.5GiB)")
-    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default ~/.cache/sglang-l3/bench;"
-                    " with --tmpfs /dev/shm/sglang-l3-bench)")
-    ap.add_argument("--tmpfs", action="store_true",
-                    help="CPU cost only: run on a memory filesystem (--dir must be tmpfs), buffered, no cache drop")
+    ap.add_argument(
+        "--dir",
+        default=None,
+        help="directory on the disk to measure (default ~/.cache/sglang-l3/bench;"
+        " with --tmpfs /dev/shm/sglang-l3-bench)",
+    )
+    ap.add_argument(
+        "--tmpfs",
+        action="store_true",
+        help="CPU cost only: run on a memory filesystem (--dir must be tmpfs), buffered, no cache drop",
+    )
     ap.add_argument("--mamba-layers", type=int, default=M_LAYERS, help="48 gives ~147 MiB states")
     ap.add_argument("--mamba-fraction", type=float, default=0.2, help="share of bytes that are Mamba states")
     ap.add_argument("--batch", type=int, default=128, help="KV pages per storage call (upstream STORAGE_BATCH_SIZE)")
     ap.add_argument("--threads", type=int, default=None, help="our store's io_threads (default: its default)")
-    ap.add_argument("--thread-sweep", default="",
-                    help="also run our store with these io_threads (e.g. 1,2,4) and print the scaling")
+    ap.add_argument(
+        "--thread-sweep", default="", help="also run our store with these io_threads (e.g. 1,2,4) and print the scaling"
+    )
     ap.add_argument("--odirect", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--durability", default="none", choices=["none", "batch"])
-    ap.add_argument("--host-alloc", default="aligned", choices=["aligned", "torch"],
-                    help="aligned: page-aligned host pools (as hipHostMalloc); torch: torch.empty")
+    ap.add_argument(
+        "--host-alloc",
+        default="aligned",
+        choices=["aligned", "torch"],
+        help="aligned: page-aligned host pools (as hipHostMalloc); torch: torch.empty",
+    )
     ap.add_argument("--qd", default=None, help="raw-disk queue depths (default 1,8,32; with --tmpfs 1,2)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; best per system")
     ap.add_argument("--skip-upstream", action="store_true")
@@ -464,9 +533,11 @@ def main() -> int:
     install_allocator(args.host_alloc)
     mamba_bytes = args.mamba_layers * (M_HEADS * M_DK * M_DV * 4 + CONV_DIM * CONV_K * 2)
     w = Workload(size, mamba_bytes, args.mamba_fraction, args.batch)
-    log(f"workload: {w.kv_pages} KV pages x {w.kv_page / MiB:.0f} MiB + {w.n_states} Mamba states x "
+    log(
+        f"workload: {w.kv_pages} KV pages x {w.kv_page / MiB:.0f} MiB + {w.n_states} Mamba states x "
         f"{mamba_bytes / MiB:.1f} MiB = {w.total / 2**30:.2f} GiB per system; dir {work}"
-        + ("  [tmpfs: CPU cost, buffered IO]" if args.tmpfs else ""))
+        + ("  [tmpfs: CPU cost, buffered IO]" if args.tmpfs else "")
+    )
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 
     # Upstream keeps a large reserve for a serving process; these pools are
@@ -491,8 +562,12 @@ def main() -> int:
     from sglang_l3.storage.backend import L3FileStore
 
     def run_ours(rnd: int, name: str, threads: int | None) -> None:
-        extra = {"store_dir": os.path.join(work, "ours"), "min_free_bytes": 0, "odirect": odirect,
-                 "durability": args.durability}
+        extra = {
+            "store_dir": os.path.join(work, "ours"),
+            "min_free_bytes": 0,
+            "odirect": odirect,
+            "durability": args.durability,
+        }
         if threads:
             extra["io_threads"] = threads
         ours = L3FileStore(storage_config(extra))
@@ -501,11 +576,13 @@ def main() -> int:
         c = ours.counters()
         ours.close()
         keep_best(name, r)
-        log(f"[round {rnd}] {name}: {fmt(r, 'write')} ({r['t_write']:.2f} s incl. sync), {fmt(r, 'read')} "
+        log(
+            f"[round {rnd}] {name}: {fmt(r, 'write')} ({r['t_write']:.2f} s incl. sync), {fmt(r, 'read')} "
             f"({r['t_read']:.2f} s, cold via {r['cache']}); {r['pages']} pages, O_DIRECT reads "
             f"{c.get('read_direct', 0)}/{c.get('read_pages', 0)} writes {c.get('write_direct', 0)}/"
             f"{c.get('write_pages', 0)}, {ours.settings.io_threads} threads, durability {ours.settings.durability}, "
-            f"{args.host_alloc} host memory ({'in place' if not c.get('read_bounce') else 'via aligned bounce blocks'})")
+            f"{args.host_alloc} host memory ({'in place' if not c.get('read_bounce') else 'via aligned bounce blocks'})"
+        )
         shutil.rmtree(os.path.join(work, "ours"), ignore_errors=True)
 
     try:
@@ -521,12 +598,24 @@ def main() -> int:
                     drop_cache(work)
                 rr[qd] = raw_pass(raw_path, w.total, qd, write=False, direct=not args.tmpfs)
             os.unlink(raw_path)
-            log(f"[round {rnd}] raw {'tmpfs (buffered' if args.tmpfs else 'disk (O_DIRECT'}, 2 MiB blocks): "
-                + "  ".join(f"QD{qd} write {rw[qd][0] / 1e9:.2f} ({rw[qd][1]:.3f} cpu-s/GiB) read "
-                            f"{rr[qd][0] / 1e9:.2f} ({rr[qd][1]:.3f})" for qd in qds) + " GB/s")
-            keep_best("raw", {"write": max(v[0] for v in rw.values()), "read": max(v[0] for v in rr.values()),
-                              "write_cpu": min(v[1] for v in rw.values()),
-                              "read_cpu": min(v[1] for v in rr.values())})
+            log(
+                f"[round {rnd}] raw {'tmpfs (buffered' if args.tmpfs else 'disk (O_DIRECT'}, 2 MiB blocks): "
+                + "  ".join(
+                    f"QD{qd} write {rw[qd][0] / 1e9:.2f} ({rw[qd][1]:.3f} cpu-s/GiB) read "
+                    f"{rr[qd][0] / 1e9:.2f} ({rr[qd][1]:.3f})"
+                    for qd in qds
+                )
+                + " GB/s"
+            )
+            keep_best(
+                "raw",
+                {
+                    "write": max(v[0] for v in rw.values()),
+                    "read": max(v[0] for v in rr.values()),
+                    "write_cpu": min(v[1] for v in rw.values()),
+                    "read_cpu": min(v[1] for v in rr.values()),
+                },
+            )
 
             # (a) ours (then the io_threads sweep, if asked)
             run_ours(rnd, "ours", args.threads)
@@ -539,11 +628,12 @@ def main() -> int:
 
                 up = HiCacheFile(storage_config({"file_storage_path": os.path.join(work, "upstream")}))
                 register(up, kv, mb)
-                r = run_store("upstream", w, kv, mb, ops_upstream(up, kv), os.path.join(work, "upstream"),
-                              args.tmpfs)
+                r = run_store("upstream", w, kv, mb, ops_upstream(up, kv), os.path.join(work, "upstream"), args.tmpfs)
                 keep_best("upstream", r)
-                log(f"[round {rnd}] upstream HiCacheFile: {fmt(r, 'write')} ({r['t_write']:.2f} s incl. sync), "
-                    f"{fmt(r, 'read')} ({r['t_read']:.2f} s, cold via {r['cache']})")
+                log(
+                    f"[round {rnd}] upstream HiCacheFile: {fmt(r, 'write')} ({r['t_write']:.2f} s incl. sync), "
+                    f"{fmt(r, 'read')} ({r['t_read']:.2f} s, cold via {r['cache']})"
+                )
                 shutil.rmtree(os.path.join(work, "upstream"), ignore_errors=True)
     finally:
         if not args.keep:
@@ -552,9 +642,14 @@ def main() -> int:
     for n, v in results.items():
         log(f"  {n:<18} {fmt(v, 'write')}   {fmt(v, 'read')}")
     if sweep:
-        log("io_threads scaling (our store): " + "  ".join(
-            f"{t}: write {results[f'ours@{t}threads']['write'] / 1e9:.2f} read "
-            f"{results[f'ours@{t}threads']['read'] / 1e9:.2f} GB/s" for t in sweep))
+        log(
+            "io_threads scaling (our store): "
+            + "  ".join(
+                f"{t}: write {results[f'ours@{t}threads']['write'] / 1e9:.2f} read "
+                f"{results[f'ours@{t}threads']['read'] / 1e9:.2f} GB/s"
+                for t in sweep
+            )
+        )
     o, raw = results["ours"], results["raw"]
     up = results.get("upstream")
     line = f"read_vs_raw={o['read'] / raw['read']:.2f} write_vs_raw={o['write'] / raw['write']:.2f}"

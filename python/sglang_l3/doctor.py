@@ -189,7 +189,9 @@ def render(ok: bool, checks: list[Check], as_json: bool) -> str:
                 extra = f" — {p['detail']}" if p["detail"] else ""
                 if p.get("requires"):
                     extra += f" (requires {', '.join(p['requires'])})"
-                lines.append(f"         - {p['id']:18s} {p['kind']:8s} {p['state']}{extra}" + (f" [{fired}]" if fired else ""))
+                lines.append(
+                    f"         - {p['id']:18s} {p['kind']:8s} {p['state']}{extra}" + (f" [{fired}]" if fired else "")
+                )
         if c.name == "stats":
             for k, v in sorted(c.data.items()):
                 lines.append(f"         - {k}: {v}")

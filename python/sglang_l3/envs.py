@@ -104,8 +104,12 @@ _VARS = (
     ),
     EnvVar("SGLANG_L3_E2E_STARTUP_TIMEOUT", "420", "seconds an e2e test server may take to start", "tests"),
     EnvVar("SGLANG_L3_E2E_REQUEST_TIMEOUT", "180", "seconds each HTTP request of the TP=2 e2e tests may take", "tests"),
-    EnvVar("SGLANG_L3_E2E_TEST_BOUND", "600", "seconds one TP=2 e2e test may take before it fails (hang guard)", "tests"),
-    EnvVar("SGLANG_L3_E2E_TP2_DEVICE", "cpu", "device of the TP=2 e2e servers (cuda on a machine with >= 2 GPUs)", "tests"),
+    EnvVar(
+        "SGLANG_L3_E2E_TEST_BOUND", "600", "seconds one TP=2 e2e test may take before it fails (hang guard)", "tests"
+    ),
+    EnvVar(
+        "SGLANG_L3_E2E_TP2_DEVICE", "cpu", "device of the TP=2 e2e servers (cuda on a machine with >= 2 GPUs)", "tests"
+    ),
     EnvVar(
         "SGLANG_L3_TEST_FAULT",
         "unset",

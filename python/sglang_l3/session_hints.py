@@ -116,13 +116,9 @@ class HintBook:
                 )
         return waited
 
-    def validate(
-        self, body: Any, vocab_size: int, context_len: int | None
-    ) -> tuple[list[int], str | None]:
+    def validate(self, body: Any, vocab_size: int, context_len: int | None) -> tuple[list[int], str | None]:
         if not isinstance(body, dict):
-            raise HintError(
-                400, "body must be a JSON object with session_id and/or input_ids"
-            )
+            raise HintError(400, "body must be a JSON object with session_id and/or input_ids")
         sid, ids = body.get("session_id"), body.get("input_ids")
         if sid is not None and not (isinstance(sid, str) and 0 < len(sid) <= 256):
             raise HintError(400, "session_id must be a non-empty string")
@@ -137,17 +133,11 @@ class HintBook:
                     "server; send input_ids with the hint",
                 )
             ids = known
-        if (
-            not isinstance(ids, list)
-            or not ids
-            or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-        ):
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise HintError(400, "input_ids must be a non-empty list of token ids")
         bad = [t for t in ids if t < 0 or t >= vocab_size]
         if bad:
-            raise HintError(
-                400, f"token id {bad[0]} outside the vocabulary [0, {vocab_size})"
-            )
+            raise HintError(400, f"token id {bad[0]} outside the vocabulary [0, {vocab_size})")
         if context_len is not None and len(ids) >= context_len:
             raise HintError(
                 400,
@@ -176,9 +166,7 @@ class HintBook:
     async def _run(self, tm: Any, h: Hint) -> None:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        obj = GenerateReqInput(
-            input_ids=list(h.ids), sampling_params={"max_new_tokens": 0}, rid=h.id
-        )
+        obj = GenerateReqInput(input_ids=list(h.ids), sampling_params={"max_new_tokens": 0}, rid=h.id)
         try:
             last = None
             async for out in tm.generate_request(obj, None):
@@ -189,11 +177,7 @@ class HintBook:
                 "total": int(meta.get("cached_tokens") or 0),
                 **{k: int(details.get(k) or 0) for k in ("device", "host", "storage")},
             }
-            reason = (
-                (meta.get("finish_reason") or {})
-                if isinstance(meta.get("finish_reason"), dict)
-                else {}
-            )
+            reason = (meta.get("finish_reason") or {}) if isinstance(meta.get("finish_reason"), dict) else {}
             if reason.get("type") == "abort":
                 raise RuntimeError(reason.get("message") or "aborted")
             h.state = "landed"
@@ -222,11 +206,7 @@ def request_ids_and_session(obj: Any) -> tuple[list[int] | None, str | None, boo
     sid = getattr(obj, "session_id", None)
     params = getattr(obj, "session_params", None)
     if sid is None and params is not None:
-        sid = (
-            params.get("id")
-            if isinstance(params, dict)
-            else getattr(params, "id", None)
-        )
+        sid = params.get("id") if isinstance(params, dict) else getattr(params, "id", None)
     return ids, sid if isinstance(sid, str) else None, False
 
 

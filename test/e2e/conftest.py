@@ -76,17 +76,20 @@ class Cluster:
         if name in self._failed:
             pytest.fail(f"{name} server failed to start earlier: {self._failed[name][:2000]}")
         try:
-            return Server(self.config(pool), self.root / f"{name}.log",
-                          startup_timeout=STARTUP_TIMEOUT).start()
+            return Server(self.config(pool), self.root / f"{name}.log", startup_timeout=STARTUP_TIMEOUT).start()
         except Exception as e:
             self._failed[name] = str(e)
             raise
 
     def config(self, pool: int, **kw: Any) -> ServerConfig:
         return ServerConfig(
-            storage_dir=str(self.store), device=self.device, max_total_tokens=pool,
-            chunked_prefill_size=CHUNKED_PREFILL, prefetch_threshold=PREFETCH_THRESHOLD,
-            page_size=PAGE_SIZE, **kw,
+            storage_dir=str(self.store),
+            device=self.device,
+            max_total_tokens=pool,
+            chunked_prefill_size=CHUNKED_PREFILL,
+            prefetch_threshold=PREFETCH_THRESHOLD,
+            page_size=PAGE_SIZE,
+            **kw,
         )
 
     def first(self) -> Server:

@@ -27,9 +27,7 @@ def test_bad_input_ids_are_400_and_the_server_keeps_serving(tmp_path: Path) -> N
         pytest.skip("cpu-serving patches are not applicable next to an accelerator")
     vocab = _vocab()
     good = prompt(3, 200)
-    with Server(
-        ServerConfig(), tmp_path / "server.log", startup_timeout=STARTUP_TIMEOUT
-    ) as s:
+    with Server(ServerConfig(), tmp_path / "server.log", startup_timeout=STARTUP_TIMEOUT) as s:
         before = s.generate(good, 8)
         bad_cases = {
             "id == vocab size": (good[:50] + [vocab] + good[50:], "input_ids[50]"),

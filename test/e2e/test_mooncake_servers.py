@@ -65,13 +65,9 @@ class Nodes:
     results: dict[str, Any] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
 
-    def server(
-        self, name: str, *extra_args: str, env: dict[str, str] | None = None
-    ) -> Server:
+    def server(self, name: str, *extra_args: str, env: dict[str, str] | None = None) -> Server:
         if name in self.failed:
-            pytest.fail(
-                f"server {name} failed to start earlier: {self.failed[name][:2000]}"
-            )
+            pytest.fail(f"server {name} failed to start earlier: {self.failed[name][:2000]}")
         if name not in self.servers:
             cfg = ServerConfig(
                 storage_backend="mooncake",
@@ -86,9 +82,7 @@ class Nodes:
                 env=dict(env or {}),
             )
             for attempt in range(4):
-                s = Server(
-                    cfg, self.root / f"{name}.log", startup_timeout=STARTUP_TIMEOUT
-                )
+                s = Server(cfg, self.root / f"{name}.log", startup_timeout=STARTUP_TIMEOUT)
                 try:
                     self.servers[name] = s.start()
                     break
@@ -144,9 +138,7 @@ def test_a_computes_and_writes_through(nodes: Nodes) -> None:
     for key, ids in (("P", P), ("Q", Q)):
         g = a.generate(ids, NEW_TOKENS)
         assert g.cached_tokens == 0, g.meta  # computed: the no-cache reference
-        assert len(set(g.output_ids)) > 1, (
-            "degenerate dummy weights (one repeated token)"
-        )
+        assert len(set(g.output_ids)) > 1, "degenerate dummy weights (one repeated token)"
         nodes.results[key] = g
     # write-through runs after the request; a flush waits for it and drops A's device tree
     a.flush_cache()
@@ -177,9 +169,7 @@ def test_foreign_dtype_server_misses(nodes: Nodes) -> None:
     nodes.stop("B")  # one server at a time on a 2-core machine
     # fp16 model and KV; the Mamba conv state follows (SGLang's default is bf16 for
     # it, which an fp16 forward cannot write into). Same page bytes as A's bf16 pages.
-    c = nodes.server(
-        "C", "--dtype", "float16", env={"SGLANG_MAMBA_CONV_DTYPE": "float16"}
-    )
+    c = nodes.server("C", "--dtype", "float16", env={"SGLANG_MAMBA_CONV_DTYPE": "float16"})
     got = c.generate(P, NEW_TOKENS)
     assert got.cached_storage == 0, f"an fp16 server restored bf16 pages: {got.meta}"
     assert got.cached_tokens == 0, got.meta

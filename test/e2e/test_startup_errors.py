@@ -48,9 +48,7 @@ def _check(code: int, lines: list[str], seconds: float, bound: float) -> str:
     last = lines[-1]
     assert last.startswith("sglang-l3: error:"), last
     assert "Fix" in last, last
-    assert not any(line.startswith("Traceback") for line in lines), "\n".join(
-        lines[-30:]
-    )
+    assert not any(line.startswith("Traceback") for line in lines), "\n".join(lines[-30:])
     assert seconds < bound, f"took {seconds:.0f} s (bound {bound:.0f} s)"
     return last
 

@@ -66,9 +66,7 @@ def test_conversation_4x_host_buffer_restores_from_l3(tmp_path) -> None:
         "chunked_prefill_size": 256,
     }
     ref_cfg = ServerConfig(storage_dir=None, **base)
-    with Server(
-        ref_cfg, tmp_path / "nocache.log", startup_timeout=STARTUP_TIMEOUT
-    ) as ref:
+    with Server(ref_cfg, tmp_path / "nocache.log", startup_timeout=STARTUP_TIMEOUT) as ref:
         ref_turns = _conversation(ref)
     last, want = ref_turns[-1]
     l3_cfg = ServerConfig(
@@ -81,9 +79,7 @@ def test_conversation_4x_host_buffer_restores_from_l3(tmp_path) -> None:
         m = re.search(r"HiCache kv host pool \((\d+) tokens\)", s.log_text())
         assert m, "host pool size not logged"
         host = int(m.group(1))
-        assert len(last) >= 4 * host, (
-            f"context {len(last)} must be >= 4x the host buffer {host}"
-        )
+        assert len(last) >= 4 * host, f"context {len(last)} must be >= 4x the host buffer {host}"
         turns = _conversation(s)
         for k, ((ids, got), (ref_ids, ref_g)) in enumerate(zip(turns, ref_turns)):
             assert ids == ref_ids

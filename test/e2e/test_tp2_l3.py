@@ -61,9 +61,7 @@ from tp2_e2e import (
 pytestmark = pytest.mark.e2e
 
 NEW = 16
-P = prompt(
-    1, 400
-)  # restorable: 384 tokens (KV pages 0-5, Mamba checkpoints at 256 and 384)
+P = prompt(1, 400)  # restorable: 384 tokens (KV pages 0-5, Mamba checkpoints at 256 and 384)
 W = prompt(7, 400)  # for the write-failure test
 LONG = prompt(2, 1000)
 FULL = 384
@@ -88,9 +86,7 @@ class TP2:
         env: dict | None = None,
     ) -> Server:
         if name in self.failed:
-            pytest.fail(
-                f"server {name} failed to start earlier: {self.failed[name][:3000]}"
-            )
+            pytest.fail(f"server {name} failed to start earlier: {self.failed[name][:3000]}")
         for other in list(self.servers):  # two TP=2 servers do not fit two shared cores
             self.stop(other)
         cfg = ServerConfig(
@@ -104,9 +100,7 @@ class TP2:
             env={"SGLANG_L3_VERIFY": "1", **(env or {})},
         )
         try:
-            s = Server(
-                cfg, self.root / f"{name}.log", startup_timeout=STARTUP_TIMEOUT
-            ).start()
+            s = Server(cfg, self.root / f"{name}.log", startup_timeout=STARTUP_TIMEOUT).start()
         except Exception as e:
             self.failed[name] = str(e)
             raise
@@ -138,9 +132,7 @@ def tp2(tmp_path_factory: pytest.TempPathFactory, hash_extension_built):
         import torch
 
         if torch.cuda.device_count() < TP:
-            pytest.skip(
-                f"TP={TP} on {DEVICE} needs {TP} GPUs, found {torch.cuda.device_count()}"
-            )
+            pytest.skip(f"TP={TP} on {DEVICE} needs {TP} GPUs, found {torch.cuda.device_count()}")
     root = tmp_path_factory.mktemp("e2e-tp2")
     t = TP2(root=root, store=root / "store")
     yield t
@@ -197,9 +189,7 @@ def test_tp2_flush_then_restore_identical_to_no_cache(tp2: TP2):
     # both ranks wrote their own shard of every page
     keys = page_keys(P)
     for rank in range(TP):
-        assert all(page_file(tp2.store, k, "kv", rank) for k in keys), (
-            f"rank {rank} KV pages"
-        )
+        assert all(page_file(tp2.store, k, "kv", rank) for k in keys), f"rank {rank} KV pages"
     _no_disagreement(s)
 
 
@@ -216,27 +206,19 @@ DAMAGE = [
 ]
 
 
-@pytest.mark.parametrize(
-    "mode,pool,rank", DAMAGE, ids=[f"{m}-{p}-r{r}" for m, p, r in DAMAGE]
-)
-def test_tp2_asymmetric_damage_same_outcome_on_both_ranks(
-    tp2: TP2, mode: str, pool: str, rank: int
-):
+@pytest.mark.parametrize("mode,pool,rank", DAMAGE, ids=[f"{m}-{p}-r{r}" for m, p, r in DAMAGE])
+def test_tp2_asymmetric_damage_same_outcome_on_both_ranks(tp2: TP2, mode: str, pool: str, rank: int):
     want = _ref(tp2, "P")
     s = tp2.get("main")
     keys = page_keys(P)
     if pool == "kv":
-        key = keys[
-            2
-        ]  # inside the first Mamba checkpoint (256): nothing before it is restorable
+        key = keys[2]  # inside the first Mamba checkpoint (256): nothing before it is restorable
     else:
         mamba = [k for k in keys if page_file(tp2.store, k, "mamba", rank)]
         assert mamba, "no Mamba page of P in the store"
         key = mamba[-1]  # the 384-token checkpoint
     victim = page_file(tp2.store, key, pool, rank)
-    if (
-        victim is None
-    ):  # the previous round left P un-healed: make the store whole first
+    if victim is None:  # the previous round left P un-healed: make the store whole first
         flush(s, "flush before healing P")
         generate(s, P, NEW, "P (heal)")
         wait_for(
@@ -260,18 +242,14 @@ def test_tp2_asymmetric_damage_same_outcome_on_both_ranks(
     assert got.cached_storage < FULL, got.meta
     assert got.cached_storage in (0, 256), got.meta
     if pool == "kv":
-        assert got.cached_storage == 0, (
-            got.meta
-        )  # the damaged page precedes every checkpoint
+        assert got.cached_storage == 0, got.meta  # the damaged page precedes every checkpoint
     _no_disagreement(s)
 
     # Store: the bad file is quarantined (not deleted: kept for inspection) ...
     new_q = set(quarantined(tp2.store)) - q_before
     if mode != "delete":
         assert any(victim.name in q for q in new_q), (mode, victim.name, new_q)
-    assert not any(other.name in q for q in new_q), (
-        f"the other rank's page was quarantined: {new_q}"
-    )
+    assert not any(other.name in q for q in new_q), f"the other rank's page was quarantined: {new_q}"
     # ... and rewritten by the recompute's write, so the next restore is whole again.
     wait_for(
         lambda: page_file(tp2.store, key, pool, rank) is not None,
@@ -286,9 +264,7 @@ def test_tp2_asymmetric_damage_same_outcome_on_both_ranks(
 
 
 def _immutable(path: Path, on: bool) -> bool:
-    r = subprocess.run(
-        ["chattr", "+i" if on else "-i", str(path)], capture_output=True, check=False
-    )
+    r = subprocess.run(["chattr", "+i" if on else "-i", str(path)], capture_output=True, check=False)
     return r.returncode == 0
 
 
@@ -298,11 +274,7 @@ def _whole(store: Path, key: str, pool: str, rank: int) -> bool:
         page_file(store, key, pool, rank),
         page_file(store, key, pool, 1 - rank),
     )
-    return (
-        mine is not None
-        and other is not None
-        and mine.stat().st_size == other.stat().st_size
-    )
+    return mine is not None and other is not None and mine.stat().st_size == other.stat().st_size
 
 
 def test_tp2_asymmetric_write_failure_both_ranks_agree(tp2: TP2):
@@ -340,9 +312,7 @@ def test_tp2_asymmetric_write_failure_both_ranks_agree(tp2: TP2):
     # the obstacle is gone: the next recompute rewrites the page, the restore is whole
     flush(s, "flush")
     generate(s, W, NEW, "W again")
-    wait_for(
-        lambda: _whole(tp2.store, keys[4], "kv", 1), 120, "W page 4 rewritten on rank 1"
-    )
+    wait_for(lambda: _whole(tp2.store, keys[4], "kv", 1), 120, "W page 4 rewritten on rank 1")
     flush(s, "flush")
     whole = generate(s, W, NEW, "W after the rewrite")
     assert whole.cached_storage == FULL, whole.meta
@@ -367,9 +337,7 @@ def test_tp2_abort_during_restore(tp2: TP2):
     t = threading.Thread(target=run, daemon=True)
     t.start()
     # abort while the restore (prefetch from L3, load back) is under way or just done
-    time.sleep(
-        0.5
-    )  # not a timing assertion: any point of the restore must abort cleanly
+    time.sleep(0.5)  # not a timing assertion: any point of the restore must abort cleanly
     s.abort("tp2-abort")
     t.join(200)
     assert not t.is_alive(), "the aborted request never returned"

@@ -35,22 +35,16 @@ class Hang(AssertionError):
 def logs_of(servers: list[Server], lines: int = 80) -> str:
     out = []
     for s in servers:
-        out.append(
-            f"----- {s.log_path} (alive: {s.alive()}) -----\n{s.log_tail(lines)}"
-        )
+        out.append(f"----- {s.log_path} (alive: {s.alive()}) -----\n{s.log_tail(lines)}")
     return "\n".join(out)
 
 
 @contextlib.contextmanager
-def bounded(
-    seconds: float, what: str, servers: Callable[[], list[Server]]
-) -> Iterator[None]:
+def bounded(seconds: float, what: str, servers: Callable[[], list[Server]]) -> Iterator[None]:
     """Fail (never stall) when the block runs longer than `seconds`."""
 
     def on_alarm(signum: int, frame: object) -> None:
-        raise Hang(
-            f"{what}: not finished within {seconds:.0f} s (hang?)\n{logs_of(servers())}"
-        )
+        raise Hang(f"{what}: not finished within {seconds:.0f} s (hang?)\n{logs_of(servers())}")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -61,44 +55,32 @@ def bounded(
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         if outer > 0:  # an enclosing bound keeps running
-            signal.setitimer(
-                signal.ITIMER_REAL, max(0.01, outer - (time.monotonic() - t0))
-            )
+            signal.setitimer(signal.ITIMER_REAL, max(0.01, outer - (time.monotonic() - t0)))
 
 
-def generate(
-    server: Server, ids: list[int], new_tokens: int, what: str, **kw: object
-) -> Generation:
+def generate(server: Server, ids: list[int], new_tokens: int, what: str, **kw: object) -> Generation:
     """One bounded request; a timeout or a dead server fails with the log."""
     try:
         return server.generate(ids, new_tokens, timeout=REQUEST_TIMEOUT, **kw)  # type: ignore[arg-type]
     except (TimeoutError, urllib.error.URLError, ConnectionError, ServerError) as e:
-        raise Hang(
-            f"{what}: request failed: {type(e).__name__}: {e}\n{logs_of([server])}"
-        ) from e
+        raise Hang(f"{what}: request failed: {type(e).__name__}: {e}\n{logs_of([server])}") from e
 
 
 def flush(server: Server, what: str) -> None:
     try:
         server.flush_cache(timeout=REQUEST_TIMEOUT)
     except (TimeoutError, urllib.error.URLError, ConnectionError, ServerError) as e:
-        raise Hang(
-            f"{what}: /flush_cache failed: {type(e).__name__}: {e}\n{logs_of([server])}"
-        ) from e
+        raise Hang(f"{what}: /flush_cache failed: {type(e).__name__}: {e}\n{logs_of([server])}") from e
 
 
 def same_output(got: Generation, want: Generation, what: str) -> None:
-    assert got.output_ids == want.output_ids, (
-        f"{what}: tokens differ: {got.output_ids} vs {want.output_ids}"
-    )
+    assert got.output_ids == want.output_ids, f"{what}: tokens differ: {got.output_ids} vs {want.output_ids}"
     if DEVICE == "cpu":
         # TP=2 with TP=2, torch kernels, fp32 chunk states: bit-exact
         assert got.logprobs == want.logprobs, f"{what}: logprobs differ"
     else:
         # upstream's FLA kernel keeps chunk states in bf16: close, not exact
-        diff = max(
-            (abs(x - y) for x, y in zip(got.logprobs, want.logprobs)), default=0.0
-        )
+        diff = max((abs(x - y) for x, y in zip(got.logprobs, want.logprobs)), default=0.0)
         assert diff < 0.1, f"{what}: logprobs differ by {diff}"
 
 
@@ -120,10 +102,7 @@ def page_files(store: Path) -> list[Path]:
 def page_file(store: Path, key: str, pool: str, rank: int) -> Path | None:
     """The page of `key` in `pool` ("kv" / "mamba") written by TP rank `rank`."""
     hits = [
-        p
-        for p in page_files(store)
-        if p.name.startswith(f"{key}.{pool}-")
-        and p.name.endswith(f".r{rank}of{TP}.bin")
+        p for p in page_files(store) if p.name.startswith(f"{key}.{pool}-") and p.name.endswith(f".r{rank}of{TP}.bin")
     ]
     assert len(hits) <= 1, hits
     return hits[0] if hits else None
@@ -134,9 +113,7 @@ def page_name_like(store: Path, key: str, pool: str, rank: int) -> str:
     for p in page_files(store):
         if f".{pool}-" in p.name and p.name.endswith(f".r{rank}of{TP}.bin"):
             return key + p.name[p.name.index(f".{pool}-") :]
-    raise AssertionError(
-        f"no {pool} page of rank {rank} in {store} to learn the name from"
-    )
+    raise AssertionError(f"no {pool} page of rank {rank} in {store} to learn the name from")
 
 
 def quarantined(store: Path) -> list[str]:

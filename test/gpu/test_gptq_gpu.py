@@ -22,19 +22,30 @@ K, N = 512, 320  # N not a multiple of BN=64
 
 def _layer(bits, gs, act, sym, fmt, dtype, seed=0, k=K, n=N):
     g = torch.Generator().manual_seed(seed)
-    L = R.quantize(torch.randn(k, n, generator=g) * 0.05, bits, gs, sym=sym, act_order=act, fmt=fmt,
-                   scale_dtype=dtype, seed=seed)
+    L = R.quantize(
+        torch.randn(k, n, generator=g) * 0.05, bits, gs, sym=sym, act_order=act, fmt=fmt, scale_dtype=dtype, seed=seed
+    )
     for f in ("qweight", "qzeros", "scales", "g_idx", "w"):
         setattr(L, f, getattr(L, f).to(DEV))
     return L
 
 
-COMBOS = list(itertools.product((2, 3, 4, 8), ((128, False), (64, True), (-1, False)), (True, False),
-                                ("v1", "v2"), (torch.float16, torch.bfloat16)))
+COMBOS = list(
+    itertools.product(
+        (2, 3, 4, 8),
+        ((128, False), (64, True), (-1, False)),
+        (True, False),
+        ("v1", "v2"),
+        (torch.float16, torch.bfloat16),
+    )
+)
 
 
-@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: f"b{c[0]}-g{c[1][0]}{'-act' if c[1][1] else ''}-"
-                         f"{'sym' if c[2] else 'asym'}-{c[3]}-{str(c[4])[6:]}")
+@pytest.mark.parametrize(
+    "combo",
+    COMBOS,
+    ids=lambda c: f"b{c[0]}-g{c[1][0]}{'-act' if c[1][1] else ''}-{'sym' if c[2] else 'asym'}-{c[3]}-{str(c[4])[6:]}",
+)
 def test_compiled_triton_matches_reference(combo) -> None:
     from sglang_l3.quant.gptq_triton import gptq_gemm
 
@@ -53,8 +64,15 @@ def test_compiled_triton_matches_reference(combo) -> None:
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
 def test_dispatch_on_device_and_graph_capture(dtype) -> None:
     L = _layer(4, 128, True, True, "v2", dtype, seed=1)
-    sel = dispatch.select(dispatch.Checkpoint(L.qweight, L.qzeros, L.scales, L.g_idx), bits=4,
-                          group_size=128, desc_act=True, declared="v1", dtype=dtype, prefix="gpu")
+    sel = dispatch.select(
+        dispatch.Checkpoint(L.qweight, L.qzeros, L.scales, L.g_idx),
+        bits=4,
+        group_size=128,
+        desc_act=True,
+        declared="v1",
+        dtype=dtype,
+        prefix="gpu",
+    )
     assert sel.check.ok and sel.fmt == "v2"
     assert sel.kernel != "torch-reference", f"a GPU kernel should serve this layer: {sel.skipped}"
     x = R.check_inputs(8, K, dtype, DEV)
@@ -80,6 +98,13 @@ def test_rdna3_native_op_if_installed() -> None:
     if not found.rdna3:
         pytest.skip("no gptq_gemm_rdna3 op installed: " + "; ".join(found.notes))
     L = _layer(4, 128, False, True, "v1", torch.float16, seed=2, k=4096, n=4096)
-    sel = dispatch.select(dispatch.Checkpoint(L.qweight, L.qzeros, L.scales, L.g_idx), bits=4,
-                          group_size=128, desc_act=False, declared="v1", dtype=torch.float16, prefix="rdna3")
+    sel = dispatch.select(
+        dispatch.Checkpoint(L.qweight, L.qzeros, L.scales, L.g_idx),
+        bits=4,
+        group_size=128,
+        desc_act=False,
+        declared="v1",
+        dtype=torch.float16,
+        prefix="rdna3",
+    )
     assert sel.kernel.startswith("native:"), sel.skipped

@@ -78,18 +78,12 @@ def _check_restored(st: L3Stack, seq, req, loaded: int, want) -> None:
     m = st.match(seq)
     assert loaded == len(seq)
     assert m.device_prefix_len == len(seq)
-    assert req.last_node == m.last_device_node, (
-        "request not re-anchored to the restored node"
-    )
+    assert req.last_node == m.last_device_node, "request not re-anchored to the restored node"
     node_slot = st.node_mamba_slot(m.last_device_node)
     req_slot = int(req.kv.mamba_pool_idx)
     assert node_slot is not None and node_slot != req_slot
-    assert st.snapshot(m.last_device_node, req_slot).equal(want), (
-        "request's Mamba slot / KV differ"
-    )
-    assert st.snapshot(m.last_device_node, node_slot).equal(want), (
-        "node's Mamba slot / KV differ"
-    )
+    assert st.snapshot(m.last_device_node, req_slot).equal(want), "request's Mamba slot / KV differ"
+    assert st.snapshot(m.last_device_node, node_slot).equal(want), "node's Mamba slot / KV differ"
 
 
 def _assert_recompute(st: L3Stack, seq, rid: str) -> None:
@@ -98,9 +92,7 @@ def _assert_recompute(st: L3Stack, seq, rid: str) -> None:
         st.restore(seq, rid)
     assert st.match(seq).device_prefix_len == 0
     st.evict_all()
-    deadline = (
-        time.monotonic() + 30
-    )  # discarded prefetch buffers come back asynchronously
+    deadline = time.monotonic() + 30  # discarded prefetch buffers come back asynchronously
     while st.pool_sizes() != st.baseline and time.monotonic() < deadline:
         st.cache.check_hicache_events()
         time.sleep(0.01)
@@ -111,10 +103,7 @@ def _object_keys(st: L3Stack, seq, page_size: int) -> list[str]:
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     be = st.cache.cache_controller.storage_backend
-    return [
-        f"{be.config_prefix}_{h}"
-        for h in get_storage_hash_str(seq, None, page_size=page_size)
-    ]
+    return [f"{be.config_prefix}_{h}" for h in get_storage_hash_str(seq, None, page_size=page_size)]
 
 
 def test_all_patches_applied_and_backend_is_mooncake(cluster, store, tmp_path) -> None:
@@ -139,12 +128,8 @@ def test_lifecycle_bit_exact(cluster, store, tmp_path, page_size: int) -> None:
     with _stack(cluster, tmp_path, page_size) as st:
         want = st.write(seq, marker=3.0)
         keys = _object_keys(st, seq, page_size)
-        assert all(store.is_exist(f"{k}_0_k") == 1 for k in keys), (
-            "KV pages not in Mooncake"
-        )
-        assert store.is_exist(f"{keys[-1]}_0_temporal") == 1, (
-            "Mamba state not in Mooncake"
-        )
+        assert all(store.is_exist(f"{k}_0_k") == 1 for k in keys), "KV pages not in Mooncake"
+        assert store.is_exist(f"{keys[-1]}_0_temporal") == 1, "Mamba state not in Mooncake"
         st.evict_all()
         m = st.match(seq)
         assert (m.device_prefix_len, m.host_hit_length) == (0, 0)
@@ -166,30 +151,20 @@ def test_lifecycle_bit_exact(cluster, store, tmp_path, page_size: int) -> None:
 
 
 @pytest.mark.parametrize("what", ["mamba_state", "kv_page_mid_chain"])
-def test_missing_object_is_a_miss_then_heals(
-    cluster, store, tmp_path, what: str
-) -> None:
+def test_missing_object_is_a_miss_then_heals(cluster, store, tmp_path, what: str) -> None:
     ps = 1
     seq = _seq(ps, pages=32, start=5000)  # shares no prefix with other tests' pages
     with _stack(cluster, tmp_path, ps) as st:
         want = st.write(seq, marker=4.0)
         keys = _object_keys(st, seq, ps)
-        victim = (
-            f"{keys[-1]}_0_temporal"
-            if what == "mamba_state"
-            else f"{keys[len(keys) // 2]}_0_k"
-        )
-        assert store.remove(victim, True) == 0, (
-            f"could not remove {victim}"
-        )  # force: past its read lease
+        victim = f"{keys[-1]}_0_temporal" if what == "mamba_state" else f"{keys[len(keys) // 2]}_0_k"
+        assert store.remove(victim, True) == 0, f"could not remove {victim}"  # force: past its read lease
         st.evict_all()
         st.scribble()
         _assert_recompute(st, seq, "damaged")
         # the next write-through puts the missing object back; then it restores exactly
         want = st.write(seq, marker=4.0)
-        assert store.is_exist(victim) == 1, (
-            "write-through did not heal the missing object"
-        )
+        assert store.is_exist(victim) == 1, "write-through did not heal the missing object"
         st.evict_all()
         st.scribble()
         req, loaded = st.restore(seq, "healed")
@@ -242,9 +217,7 @@ def test_foreign_identity_misses(cluster, store, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("without", ["mooncake-identity"], indirect=True)
-def test_negative_control_upstream_keys_serve_foreign_pages(
-    cluster, store, tmp_path, without
-) -> None:
+def test_negative_control_upstream_keys_serve_foreign_pages(cluster, store, tmp_path, without) -> None:
     """Without the patch an fp16 instance restores bf16 pages as its own: wrong KV."""
     loaded, exact = _foreign_read(cluster, tmp_path, _seq(1), 1)
     assert loaded > 0 and not exact
@@ -256,9 +229,7 @@ def test_store_listens_on_loopback_only(cluster, tmp_path) -> None:
     Mooncake 0.3.13 binds to all interfaces with no option to narrow it
     (see sglang_l3.testing.mooncake)."""
     master = cluster.master_listeners()
-    assert {lst.port for lst in master} == {cluster.rpc_port, cluster.metrics_port}, (
-        master
-    )
+    assert {lst.port for lst in master} == {cluster.rpc_port, cluster.metrics_port}, master
     assert all(lst.loopback for lst in master), master
     everything = mc.listeners(cluster.pids())
     exposed = [lst for lst in everything if not lst.loopback]

@@ -197,7 +197,7 @@ def test_full_deeper_than_mamba(stack: L3Stack) -> None:
 
 
 def test_anchor_evicted_between_staging_and_admission(tmp_path, monkeypatch) -> None:
-    """"shrunk" → refetch → restored on a later pass, still bound and exact."""
+    """ "shrunk" → refetch → restored on a later pass, still bound and exact."""
     from sglang.srt.environ import envs
 
     with envs.SGLANG_HICACHE_BUFFER_ANCHOR_LOCK_CAP.override(0.0):

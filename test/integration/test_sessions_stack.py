@@ -58,9 +58,7 @@ def _scheduler_calls(h: SchedulerHarness, st: L3Stack):
 
     def open_session(sid):
         with get_parallel().override(attn_cp_rank=0):
-            return Scheduler.open_session(
-                h.s, OpenSessionReqInput(capacity_of_str_len=0, session_id=sid)
-            )
+            return Scheduler.open_session(h.s, OpenSessionReqInput(capacity_of_str_len=0, session_id=sid))
 
     return (
         open_session,
@@ -104,9 +102,7 @@ def test_without_patch_nothing_is_recorded(tmp_path, without):
         assert registry_of(st.cache).get("agent-a") is None
 
 
-def test_prefill_only_hint_restores_from_l3_and_leaves_the_context_on_device(
-    tmp_path, core
-):
+def test_prefill_only_hint_restores_from_l3_and_leaves_the_context_on_device(tmp_path, core):
     """What a "speaks next" hint is to the scheduler: a prefill-only request
     (max_new_tokens 0) for the context. Through upstream's admission path it
     restores the prefix from L3 and leaves it on the device, so the next turn
@@ -123,15 +119,11 @@ def test_prefill_only_hint_restores_from_l3_and_leaves_the_context_on_device(
         hint = h.make_req(ctx, rid="sglang-l3-hint-test", max_new_tokens=0)
         h.serve(hint)
         st.flush_backups()
-        assert backend.store.counters.get("read_hits") > reads, (
-            "the hint did not read from L3"
-        )
+        assert backend.store.counters.get("read_hits") > reads, "the hint did not read from L3"
         on_device = st.match(ctx).device_prefix_len
         assert on_device >= 256, on_device
         reads = backend.store.counters.get("read_hits")
         nxt = h.make_req(ctx + list(range(900, 920)))
         h.arrive(nxt)
         h.wait_prefetch(nxt)
-        assert backend.store.counters.get("read_hits") == reads, (
-            "the next turn read L3 again"
-        )
+        assert backend.store.counters.get("read_hits") == reads, "the next turn read L3 again"

@@ -42,7 +42,9 @@ def _take_slot(st: L3Stack, wanted: int) -> list:
 
 def run_recipe(page_size: int, tree_core: str, tmp_path) -> torch.Tensor:
     with L3Stack(
-        HybridSpec(page_size=page_size), str(tmp_path), tree_core=tree_core,
+        HybridSpec(page_size=page_size),
+        str(tmp_path),
+        tree_core=tree_core,
         write_policy="write_through_selective",
         # One L3 re-query after the device prefix shrank; the next pass admits as is.
         server_args={"hicache_storage_prefetch_retry_max_attempts": 1},

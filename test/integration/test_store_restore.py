@@ -171,6 +171,7 @@ def test_negative_control_upstream_serves_a_flipped_byte(tmp_path, upstream_file
         req, loaded = st.restore(seq, "upstream")
         assert loaded == len(seq), "upstream restores the damaged page as valid"
         m = st.match(seq)
-        assert not st.snapshot(m.last_device_node, int(req.kv.mamba_pool_idx)).equal(want), \
+        assert not st.snapshot(m.last_device_node, int(req.kv.mamba_pool_idx)).equal(want), (
             "expected upstream to serve the corrupted KV"
+        )
         st.release(req)

@@ -64,9 +64,7 @@ def start_prefetch(st: L3Stack, seq: list[int], rid: str):
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 
     h = CacheRequestHandle(rid, 0)
-    st.cache.prefetch_from_storage(
-        h, st.cache.root_node_handle(), array("q", seq), None, None
-    )
+    st.cache.prefetch_from_storage(h, st.cache.root_node_handle(), array("q", seq), None, None)
     return h
 
 
@@ -77,12 +75,8 @@ def check_restored(st: L3Stack, seq: list[int], req, loaded: int, want) -> None:
     node_slot = st.node_mamba_slot(m.last_device_node)
     req_slot = int(req.kv.mamba_pool_idx)
     assert node_slot is not None and node_slot != req_slot
-    assert st.snapshot(m.last_device_node, req_slot).equal(want), (
-        "request Mamba slot differs"
-    )
-    assert st.snapshot(m.last_device_node, node_slot).equal(want), (
-        "node Mamba slot differs"
-    )
+    assert st.snapshot(m.last_device_node, req_slot).equal(want), "request Mamba slot differs"
+    assert st.snapshot(m.last_device_node, node_slot).equal(want), "node Mamba slot differs"
     k, v = st.expected_kv(seq)
     got = st.snapshot(m.last_device_node, None)
     assert got.k.equal(k) and got.v.equal(v), "restored KV differs"
@@ -110,9 +104,7 @@ def context(st_spec: HybridSpec, times: int, start: int = 11) -> list[int]:
 @pytest.mark.parametrize("core", TREE_CORES)
 @pytest.mark.parametrize("page_size", (1, 64))
 @pytest.mark.parametrize("times", (2, 8, 30))
-def test_restore_through_small_buffer(
-    tmp_path, times: int, page_size: int, core: str
-) -> None:
+def test_restore_through_small_buffer(tmp_path, times: int, page_size: int, core: str) -> None:
     spec = make_spec(page_size, times * (BUFFER + page_size))
     seq = context(spec, times)
     (want,) = write(spec, tmp_path, core, [seq])
@@ -142,9 +134,7 @@ def test_without_patch_8x_restores_nothing(tmp_path, without) -> None:
         declined = st.cache._prefetch_outcome_stats["declined_host_oversize"]
         h, loaded = st.prefetch(seq, "long")
         assert loaded == 0 and not st.cache.buffer_pipeline.has_staged(h)
-        assert (
-            st.cache._prefetch_outcome_stats["declined_host_oversize"] == declined + 1
-        )
+        assert st.cache._prefetch_outcome_stats["declined_host_oversize"] == declined + 1
         back_to_baseline(st)
 
 
@@ -209,9 +199,7 @@ def test_store_read_failing_in_piece_k(tmp_path, core: str) -> None:
             lambda: st.cache.check_prefetch_progress(h),
             "the request to be released",
         )
-        assert not st.cache.buffer_pipeline.has_staged(h), (
-            "a broken stream must not stage"
-        )
+        assert not st.cache.buffer_pipeline.has_staged(h), "a broken stream must not stage"
         pump(st, lambda: not lane.streams, "the stream to end")
         assert metrics.get("l3_stream_restore", "storage_error") == errors + 1
         st.cache.pop_prefetch_loaded_tokens(h)
@@ -245,9 +233,7 @@ def test_two_streams_through_one_buffer(tmp_path, core: str) -> None:
             "both streams to stage",
             timeout=300,
         )
-        assert st.cache.check_prefetch_progress(
-            ha
-        ) and st.cache.check_prefetch_progress(hb)
+        assert st.cache.check_prefetch_progress(ha) and st.cache.check_prefetch_progress(hb)
         assert st.cache.pop_prefetch_loaded_tokens(ha) == len(a)
         assert st.cache.pop_prefetch_loaded_tokens(hb) == len(b)
         st.flush_backups()
@@ -292,10 +278,7 @@ def test_users_case_through_real_admission(tmp_path, core: str) -> None:
         assert batch is not None and req in batch.reqs
         assert req.prefix_len == len(seq), (req.prefix_len, len(seq))
         c1 = metrics.snapshot()
-        assert (
-            c1.get("l3_stream_restore{restored}", 0)
-            == c0.get("l3_stream_restore{restored}", 0) + 1
-        )
+        assert c1.get("l3_stream_restore{restored}", 0) == c0.get("l3_stream_restore{restored}", 0) + 1
         assert c1.get("l3_restores", 0) == c0.get("l3_restores", 0) + 1
         assert c1.get("fail_stops", 0) == c0.get("fail_stops", 0)
         h.forward(batch)
@@ -305,9 +288,7 @@ def test_users_case_through_real_admission(tmp_path, core: str) -> None:
         got = st.snapshot(m.last_device_node, st.node_mamba_slot(m.last_device_node))
         assert got.k.equal(k) and got.v.equal(v) and got.equal(want)
         slot = int(req.kv.mamba_pool_idx)
-        assert all(a.equal(b) for a, b in zip(h.mamba_state(slot), want.mamba)), (
-            "request Mamba slot differs"
-        )
+        assert all(a.equal(b) for a, b in zip(h.mamba_state(slot), want.mamba)), "request Mamba slot differs"
         h.finish(req)
         st.settle()
         assert not lane_of(st.cache.buffer_pipeline).streams
@@ -336,11 +317,7 @@ def test_tight_device_pool_admits_with_the_row_credit(tmp_path, credit: bool) ->
         h.arrive(req)
         h.wait_prefetch(req)
         s = lane_of(st.cache.buffer_pipeline).streams[req.cache_request_handle]
-        assert (
-            st.allocator.available_size()
-            < len(seq)
-            <= st.allocator.available_size() + s.r_tokens
-        )
+        assert st.allocator.available_size() < len(seq) <= st.allocator.available_size() + s.r_tokens
         import sglang.srt.managers.schedule_policy as sp
 
         hooked = sp.PrefillAdder.add_one_req
@@ -352,19 +329,12 @@ def test_tight_device_pool_admits_with_the_row_credit(tmp_path, credit: bool) ->
             sp.PrefillAdder.add_one_req = hooked
         assert framework.is_applied("streamed-restore")
         if credit:
-            assert (
-                batch is not None and req in batch.reqs and req.prefix_len == len(seq)
-            )
+            assert batch is not None and req in batch.reqs and req.prefix_len == len(seq)
             h.forward(batch)
             h.finish(req)
         else:
             assert batch is None or req not in batch.reqs
-            assert (
-                st.cache.buffer_pipeline._staged_admission_defers.get(
-                    req.cache_request_handle, 0
-                )
-                >= 1
-            )
+            assert st.cache.buffer_pipeline._staged_admission_defers.get(req.cache_request_handle, 0) >= 1
             h.abort_queued(req)
         st.settle()
         assert not lane_of(st.cache.buffer_pipeline).streams
@@ -404,9 +374,7 @@ def test_decisions_do_not_depend_on_store_timing(tmp_path, monkeypatch) -> None:
             def traced_launch(pipe, s):
                 before = len(s.pieces)
                 launch(pipe, s)
-                reads.extend(
-                    (pc.first_page, pc.pages) for pc in list(s.pieces)[before:]
-                )
+                reads.extend((pc.first_page, pc.pages) for pc in list(s.pieces)[before:])
 
             monkeypatch.setattr(sr, "_launch_reads", traced_launch)
             st.scribble()

@@ -19,9 +19,7 @@ KV_SIZE = 4096
 
 
 def spec(page_size: int, context: int) -> HybridSpec:
-    return HybridSpec(
-        page_size=page_size, kv_size=KV_SIZE, max_context_len=max(2048, context + 128)
-    )
+    return HybridSpec(page_size=page_size, kv_size=KV_SIZE, max_context_len=max(2048, context + 128))
 
 
 def small_buffer_args(page_size: int) -> dict:
@@ -33,9 +31,7 @@ def big_buffer_args(context: int) -> dict:
     return {"hicache_ratio": 2.0 * (context + 256) / KV_SIZE}
 
 
-def write_small(
-    tmp_path, page_size: int, core: str, times: int
-) -> tuple[list[int], object, int]:
+def write_small(tmp_path, page_size: int, core: str, times: int) -> tuple[list[int], object, int]:
     """Write one context `times` x the writer's host buffer; return (seq, snapshot, buffer)."""
     with L3Stack(
         spec(page_size, 0),
@@ -51,11 +47,7 @@ def write_small(
         w.settle()
         pipe = w.cache.buffer_pipeline
         windows = metrics.get("l3_stream_write_windows") - before
-        assert (
-            not pipe.inflight_backup_pools
-            and not pipe.pending_write_queue
-            and not pipe.ongoing_backup
-        )
+        assert not pipe.inflight_backup_pools and not pipe.pending_write_queue and not pipe.ongoing_backup
         w.evict_all()
         assert w.pool_sizes() == w.baseline, "a writer pool is not back at its baseline"
     return seq, want, windows
@@ -80,9 +72,7 @@ def restore_big(tmp_path, page_size: int, core: str, seq: list[int], want) -> in
         assert req.last_node == m.last_device_node
         slot = int(req.kv.mamba_pool_idx)
         assert r.snapshot(m.last_device_node, slot).equal(want), "request slot differs"
-        assert r.snapshot(
-            m.last_device_node, r.node_mamba_slot(m.last_device_node)
-        ).equal(want)
+        assert r.snapshot(m.last_device_node, r.node_mamba_slot(m.last_device_node)).equal(want)
         k, v = r.expected_kv(seq)
         snap = r.snapshot(m.last_device_node, None)
         assert snap.k.equal(k) and snap.v.equal(v)

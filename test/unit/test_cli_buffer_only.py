@@ -52,7 +52,9 @@ def test_contradiction_is_a_clear_startup_error(order: str) -> None:
 def test_other_layouts_untouched() -> None:
     sa = prepare_server_args(BASE + ["--hicache-mem-layout", "page_first"])
     assert (sa.hicache_host_memory_mode, sa.hicache_mem_layout) == ("cache", "page_first")
-    sa = prepare_server_args(BASE + ["--hicache-host-memory-mode", "buffer_only", "--hicache-mem-layout", "page_first_direct"])
+    sa = prepare_server_args(
+        BASE + ["--hicache-host-memory-mode", "buffer_only", "--hicache-mem-layout", "page_first_direct"]
+    )
     assert sa.hicache_host_memory_mode == "buffer_only"
 
 
@@ -100,8 +102,11 @@ def test_real_launcher_help_through_the_plugin(disabled: bool) -> None:
         env["SGLANG_L3_DISABLE"] = "cli-buffer-only"
     out = subprocess.run(
         [sys.executable, "-m", "sglang.launch_server", "--help"],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    layout_help = out.stdout[out.stdout.index("--hicache-mem-layout"):][:600]
+    layout_help = out.stdout[out.stdout.index("--hicache-mem-layout") :][:600]
     assert ("buffer_only" in layout_help) is (not disabled)

@@ -38,8 +38,9 @@ def test_every_variant_uses_wmma(table, request, capsys) -> None:
         with capsys.disabled():
             print(f"\n{'variant':44s} {'wmma':28s} {'vgpr':>4s} {'spill':>5s} {'scratch':>7s}")
             for _, r in table:
-                print(f"{r.variant:44s} {','.join(r.wmma) or 'NONE':28s} {r.vgpr:4d} "
-                      f"{r.spills:5d} {r.scratch_bytes:7d}")
+                print(
+                    f"{r.variant:44s} {','.join(r.wmma) or 'NONE':28s} {r.vgpr:4d} {r.spills:5d} {r.scratch_bytes:7d}"
+                )
     for (bits, dtype, cfg, gidx), r in table:
         want = "v_wmma_f32_16x16x16_f16" if dtype == torch.float16 else "v_wmma_f32_16x16x16_bf16"
         assert want in r.wmma, f"{r.variant}: no {want} (found {r.wmma})"

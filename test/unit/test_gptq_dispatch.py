@@ -21,17 +21,26 @@ K, N = 256, 64
 
 def _layer(bits=4, gs=64, act=False, sym=True, fmt="v1", dtype=torch.float16, seed=0, k=K, n=N):
     g = torch.Generator().manual_seed(seed)
-    return R.quantize(torch.randn(k, n, generator=g) * 0.05, bits, gs, sym=sym, act_order=act,
-                      fmt=fmt, scale_dtype=dtype, seed=seed)
+    return R.quantize(
+        torch.randn(k, n, generator=g) * 0.05, bits, gs, sym=sym, act_order=act, fmt=fmt, scale_dtype=dtype, seed=seed
+    )
 
 
 def _select(L, dtype, *, declared="v1", desc_act=None, dev=GFX1100, kernels=None, prefix="model.t"):
     ck = dispatch.Checkpoint(L.qweight, L.qzeros, L.scales, L.g_idx)
-    return dispatch.select(ck, bits=L.bits, group_size=L.group_size,
-                           desc_act=bool(L.g_idx is not None and not R.is_sequential(
-                               L.g_idx, L.group_size if L.group_size > 0 else L.K))
-                           if desc_act is None else desc_act,
-                           declared=declared, dtype=dtype, prefix=prefix, dev=dev, kernels=kernels)
+    return dispatch.select(
+        ck,
+        bits=L.bits,
+        group_size=L.group_size,
+        desc_act=bool(L.g_idx is not None and not R.is_sequential(L.g_idx, L.group_size if L.group_size > 0 else L.K))
+        if desc_act is None
+        else desc_act,
+        declared=declared,
+        dtype=dtype,
+        prefix=prefix,
+        dev=dev,
+        kernels=kernels,
+    )
 
 
 def _native(ns):
@@ -106,12 +115,15 @@ def test_native_rdna3_act_order_is_sorted_once_at_load() -> None:
     _assert_matches(sel, L, torch.float16)
 
 
-@pytest.mark.parametrize("case,reason", [
-    (dict(bits=3, gs=64), "3-bit (4-bit only)"),
-    (dict(bits=8, gs=64), "8-bit (4-bit only)"),
-    (dict(sym=False), "asymmetric zeros (symmetric only)"),
-    (dict(gs=-1), "channel-wise (group > 0 only)"),
-])
+@pytest.mark.parametrize(
+    "case,reason",
+    [
+        (dict(bits=3, gs=64), "3-bit (4-bit only)"),
+        (dict(bits=8, gs=64), "8-bit (4-bit only)"),
+        (dict(sym=False), "asymmetric zeros (symmetric only)"),
+        (dict(gs=-1), "channel-wise (group > 0 only)"),
+    ],
+)
 def test_native_rdna3_refuses_what_it_cannot_serve(case, reason) -> None:
     L = _layer(**case)
     sel = _select(L, torch.float16, kernels=_native(doubles.RDNA3_V2FLAG))
@@ -121,15 +133,23 @@ def test_native_rdna3_refuses_what_it_cannot_serve(case, reason) -> None:
     _assert_matches(sel, L, torch.float16)
 
 
-@pytest.mark.parametrize("dev,reason", [
-    (dispatch.DeviceInfo("cuda", True, "gfx1030"), "arch gfx1030 (gfx1100 only)"),
-    (dispatch.DeviceInfo("cuda", True, "gfx942"), "arch gfx942 (gfx1100 only)"),
-    (dispatch.DeviceInfo("cuda", False, None), "arch n/a (gfx1100 only)"),
-])
+@pytest.mark.parametrize(
+    "dev,reason",
+    [
+        (dispatch.DeviceInfo("cuda", True, "gfx1030"), "arch gfx1030 (gfx1100 only)"),
+        (dispatch.DeviceInfo("cuda", True, "gfx942"), "arch gfx942 (gfx1100 only)"),
+        (dispatch.DeviceInfo("cuda", False, None), "arch n/a (gfx1100 only)"),
+    ],
+)
 def test_native_rdna3_is_gfx1100_only(dev, reason) -> None:
     k = _native(doubles.RDNA3_V2FLAG)[0]
-    layer, _ = dispatch.pack_layer(dispatch.Checkpoint(*(lambda L: (L.qweight, L.qzeros, L.scales, L.g_idx))(
-        _layer())), bits=4, group_size=64, desc_act=False, declared="v1")
+    layer, _ = dispatch.pack_layer(
+        dispatch.Checkpoint(*(lambda L: (L.qweight, L.qzeros, L.scales, L.g_idx))(_layer())),
+        bits=4,
+        group_size=64,
+        desc_act=False,
+        declared="v1",
+    )
     assert k.unavailable(layer, torch.float16, dev) == reason
 
 
@@ -140,8 +160,17 @@ def test_act_order_row_shard_is_not_given_to_the_native_op() -> None:
     L = _layer(gs=32, act=True, seed=3)
     lo, hi = K // 2, K
     ck = dispatch.Checkpoint(R.pack_rows(L.q[lo:hi], 4), L.qzeros, L.scales, L.g_idx[lo:hi].contiguous())
-    sel = dispatch.select(ck, bits=4, group_size=32, desc_act=True, declared="v1", dtype=torch.float16,
-                          prefix="t", dev=GFX1100, kernels=_native(doubles.RDNA3_V2FLAG))
+    sel = dispatch.select(
+        ck,
+        bits=4,
+        group_size=32,
+        desc_act=True,
+        declared="v1",
+        dtype=torch.float16,
+        prefix="t",
+        dev=GFX1100,
+        kernels=_native(doubles.RDNA3_V2FLAG),
+    )
     assert sel.skipped[0][1] == "act-order groups not contiguous in this shard"
     x = R.check_inputs(3, hi - lo, torch.float16, "cpu")
     assert R.compare(sel.gemm(x), x.float() @ L.w[lo:hi], torch.float16).ok
@@ -224,8 +253,17 @@ def test_sgl_kernel_gemm_unshuffled_with_g_idx_for_act_order_shards() -> None:
     L = _layer(gs=32, act=True, seed=9)
     lo, hi = 0, K // 2
     ck = dispatch.Checkpoint(R.pack_rows(L.q[lo:hi], 4), L.qzeros, L.scales, L.g_idx[lo:hi].contiguous())
-    sel = dispatch.select(ck, bits=4, group_size=32, desc_act=True, declared="v1", dtype=torch.float16,
-                          prefix="t", dev=dispatch.DeviceInfo("cuda", True, "gfx1030"), kernels=_sgl_kernels())
+    sel = dispatch.select(
+        ck,
+        bits=4,
+        group_size=32,
+        desc_act=True,
+        declared="v1",
+        dtype=torch.float16,
+        prefix="t",
+        dev=dispatch.DeviceInfo("cuda", True, "gfx1030"),
+        kernels=_sgl_kernels(),
+    )
     assert sel.kernel.endswith("::gptq_gemm") and sel.tensors["g_idx"].numel() == hi - lo
     x = R.check_inputs(3, hi - lo, torch.float16, "cpu")
     assert R.compare(sel.gemm(x), x.float() @ L.w[lo:hi], torch.float16).ok

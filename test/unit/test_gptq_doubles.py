@@ -24,12 +24,18 @@ RDNA3_NO_SHUFFLE = "sglang_l3_test_broken"  # reads the weights unshuffled: garb
 RDNA3_RAISES = "sglang_l3_test_raises"
 SGL = "sglang_l3_test_sgl"  # sgl_kernel::gptq_gemm + gptq_shuffle
 
-_SCHEMA_V2 = ("gptq_gemm_rdna3(Tensor a, Tensor b_q_weight, Tensor b_qzeros, Tensor b_scales, "
-              "Tensor b_g_idx, bool use_v2_format) -> Tensor")
-_SCHEMA_OLD = ("gptq_gemm_rdna3(Tensor a, Tensor b_q_weight, Tensor b_gptq_qzeros, "
-               "Tensor b_gptq_scales, Tensor b_g_idx, bool use_shuffle, int bit) -> Tensor")
-_SCHEMA_UNKNOWN = ("gptq_gemm_rdna3(Tensor a, Tensor b_q_weight, Tensor b_qzeros, Tensor b_scales, "
-                   "Tensor b_g_idx, bool use_v2_format, int split_k) -> Tensor")
+_SCHEMA_V2 = (
+    "gptq_gemm_rdna3(Tensor a, Tensor b_q_weight, Tensor b_qzeros, Tensor b_scales, "
+    "Tensor b_g_idx, bool use_v2_format) -> Tensor"
+)
+_SCHEMA_OLD = (
+    "gptq_gemm_rdna3(Tensor a, Tensor b_q_weight, Tensor b_gptq_qzeros, "
+    "Tensor b_gptq_scales, Tensor b_g_idx, bool use_shuffle, int bit) -> Tensor"
+)
+_SCHEMA_UNKNOWN = (
+    "gptq_gemm_rdna3(Tensor a, Tensor b_q_weight, Tensor b_qzeros, Tensor b_scales, "
+    "Tensor b_g_idx, bool use_v2_format, int split_k) -> Tensor"
+)
 CALLS: dict[str, int] = {}
 
 
@@ -101,8 +107,10 @@ def register() -> None:
             lib.impl("gptq_gemm_rdna3", fn, "CPU")
         _LIBS.append(lib)
     lib = torch.library.Library(SGL, "DEF")
-    lib.define("gptq_gemm(Tensor a, Tensor b_q_weight, Tensor b_gptq_qzeros, Tensor b_gptq_scales, "
-               "Tensor b_g_idx, bool use_shuffle, int bit) -> Tensor")
+    lib.define(
+        "gptq_gemm(Tensor a, Tensor b_q_weight, Tensor b_gptq_qzeros, Tensor b_gptq_scales, "
+        "Tensor b_g_idx, bool use_shuffle, int bit) -> Tensor"
+    )
     lib.define("gptq_shuffle(Tensor(a!) q_weight, Tensor q_perm, int bit) -> ()")
     lib.impl("gptq_gemm", _sgl_gemm, "CPU")
     lib.impl("gptq_shuffle", _sgl_shuffle, "CPU")

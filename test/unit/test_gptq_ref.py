@@ -94,11 +94,11 @@ def test_symmetric_zero_format_is_detected_from_the_stored_zeros(bits, stored, d
     # the misdeclared checkpoint read with its declared format is garbage, and caught
     x = R.check_inputs(3, K, torch.float16, "cpu")
     ref = x.float() @ L.w
-    assert R.compare(R.reference_matmul(x, L.qweight, L.qzeros, L.scales, L.g_idx, bits, d.fmt), ref,
-                     torch.float16).ok
+    assert R.compare(R.reference_matmul(x, L.qweight, L.qzeros, L.scales, L.g_idx, bits, d.fmt), ref, torch.float16).ok
     if stored != declared:
-        assert not R.compare(R.reference_matmul(x, L.qweight, L.qzeros, L.scales, L.g_idx, bits,
-                                                declared), ref, torch.float16).ok
+        assert not R.compare(
+            R.reference_matmul(x, L.qweight, L.qzeros, L.scales, L.g_idx, bits, declared), ref, torch.float16
+        ).ok
 
 
 @pytest.mark.parametrize("bits", BITS)

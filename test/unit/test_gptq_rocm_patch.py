@@ -35,8 +35,16 @@ from sglang_l3.quant.rocm_gptq import (
 # simulation would fight it. test/gpu covers that machine.
 simulated = pytest.mark.skipif(torch.version.hip is not None, reason="real ROCm: the patch is live here")
 
-QWEN_INT4 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
-             "checkpoint_format": "gptq", "true_sequential": True, "static_groups": False}
+QWEN_INT4 = {
+    "quant_method": "gptq",
+    "bits": 4,
+    "group_size": 128,
+    "desc_act": False,
+    "sym": True,
+    "checkpoint_format": "gptq",
+    "true_sequential": True,
+    "static_groups": False,
+}
 
 
 def _spec() -> framework.PatchSpec:
@@ -197,28 +205,37 @@ def test_pack_factor_is_right_for_3bit_after_override_config() -> None:
 # --------------------------------------------------------------------------- #
 # Upstream linear layer end to end (create_weights, weight loader v2, our kernel)
 # --------------------------------------------------------------------------- #
-@pytest.mark.parametrize("bits,gs,act,sym,stored,declared,dtype", [
-    (4, 32, True, True, "v2", "gptq", torch.float16),  # Qwen: says v1, stores v2; act-order
-    (3, 32, False, False, "v1", "gptq", torch.bfloat16),  # 3-bit pack factor 32/3
-    (8, -1, False, True, "v2", "gptq_v2", torch.bfloat16),  # channel-wise
-    (2, 64, True, False, "v2", "gptq_v2", torch.float16),
-])
+@pytest.mark.parametrize(
+    "bits,gs,act,sym,stored,declared,dtype",
+    [
+        (4, 32, True, True, "v2", "gptq", torch.float16),  # Qwen: says v1, stores v2; act-order
+        (3, 32, False, False, "v1", "gptq", torch.bfloat16),  # 3-bit pack factor 32/3
+        (8, -1, False, True, "v2", "gptq_v2", torch.bfloat16),  # channel-wise
+        (2, 64, True, False, "v2", "gptq_v2", torch.float16),
+    ],
+)
 def test_replicated_linear_end_to_end(bits, gs, act, sym, stored, declared, dtype) -> None:
     from sglang.srt.layers.linear import ReplicatedLinear
 
     K, N = 128, 96
-    cfg = RocmGPTQConfig.from_config({**QWEN_INT4, "bits": bits, "group_size": gs, "desc_act": act,
-                                      "sym": sym, "checkpoint_format": declared})
-    lin = ReplicatedLinear(K, N, bias=True, quant_config=cfg, params_dtype=dtype,
-                           prefix="model.layers.0.mlp.down_proj")
+    cfg = RocmGPTQConfig.from_config(
+        {**QWEN_INT4, "bits": bits, "group_size": gs, "desc_act": act, "sym": sym, "checkpoint_format": declared}
+    )
+    lin = ReplicatedLinear(K, N, bias=True, quant_config=cfg, params_dtype=dtype, prefix="model.layers.0.mlp.down_proj")
     assert isinstance(lin.scheme, RocmGPTQLinearScheme) and lin.scheme.prefix.endswith("down_proj")
     assert lin.qweight.shape == (K * bits // 32, N)
     g = torch.Generator().manual_seed(bits)
-    L = R.quantize(torch.randn(K, N, generator=g) * 0.05, bits, gs, sym=sym, act_order=act, fmt=stored,
-                   scale_dtype=dtype)
+    L = R.quantize(
+        torch.randn(K, N, generator=g) * 0.05, bits, gs, sym=sym, act_order=act, fmt=stored, scale_dtype=dtype
+    )
     bias = torch.randn(N, generator=g).to(dtype)
-    for name, t in (("qweight", L.qweight), ("qzeros", L.qzeros), ("scales", L.scales),
-                    ("g_idx", L.g_idx), ("bias", bias)):
+    for name, t in (
+        ("qweight", L.qweight),
+        ("qzeros", L.qzeros),
+        ("scales", L.scales),
+        ("g_idx", L.g_idx),
+        ("bias", bias),
+    ):
         p = getattr(lin, name)
         p.weight_loader(p, t)
     lin.quant_method.process_weights_after_loading(lin)
@@ -236,15 +253,18 @@ def test_replicated_linear_end_to_end(bits, gs, act, sym, stored, declared, dtyp
 # --------------------------------------------------------------------------- #
 # MoE: delegated to moe_wna16 where its constraints hold, a clear error otherwise
 # --------------------------------------------------------------------------- #
-@pytest.mark.parametrize("over,reason", [
-    ({}, None),
-    ({"sym": False}, None),  # asymmetric v1: moe_wna16 adds 1 to the zeros, as v1 needs
-    ({"checkpoint_format": "gptq_v2"}, None),  # symmetric: zeros ignored
-    ({"bits": 3}, "bits=3 (moe_wna16 supports 4 and 8)"),
-    ({"desc_act": True}, "desc_act=True (moe_wna16 ignores g_idx)"),
-    ({"group_size": -1}, "channel-wise group_size=-1 (moe_wna16 needs groups)"),
-    ({"sym": False, "checkpoint_format": "gptq_v2"}, "asymmetric gptq_v2 zeros (moe_wna16 assumes v1)"),
-])
+@pytest.mark.parametrize(
+    "over,reason",
+    [
+        ({}, None),
+        ({"sym": False}, None),  # asymmetric v1: moe_wna16 adds 1 to the zeros, as v1 needs
+        ({"checkpoint_format": "gptq_v2"}, None),  # symmetric: zeros ignored
+        ({"bits": 3}, "bits=3 (moe_wna16 supports 4 and 8)"),
+        ({"desc_act": True}, "desc_act=True (moe_wna16 ignores g_idx)"),
+        ({"group_size": -1}, "channel-wise group_size=-1 (moe_wna16 needs groups)"),
+        ({"sym": False, "checkpoint_format": "gptq_v2"}, "asymmetric gptq_v2 zeros (moe_wna16 assumes v1)"),
+    ],
+)
 def test_moe_constraints(over, reason) -> None:
     cfg = RocmGPTQConfig.from_config({**QWEN_INT4, **over})
     assert moe_wna16_unsupported(cfg, 2048, 512) == reason

@@ -57,13 +57,20 @@ def _child(out_path: str) -> None:
     def sanitize(on: bool) -> None:
         # the interpreter's integer-overflow checker doubles its run time: it is
         # kept on for the launch-bucket cases (largest index math), off elsewhere
-        interpreter_builder.options = dataclasses.replace(interpreter_builder.options,
-                                                          sanitize_overflow=on)
+        interpreter_builder.options = dataclasses.replace(interpreter_builder.options, sanitize_overflow=on)
 
     def layer(bits, gs, act, sym, fmt, dtype, seed=0, k=K, n=N):
         g = torch.Generator().manual_seed(seed)
-        return R.quantize(torch.randn(k, n, generator=g) * 0.05, bits, gs, sym=sym,
-                          act_order=act, fmt=fmt, scale_dtype=dtype, seed=seed)
+        return R.quantize(
+            torch.randn(k, n, generator=g) * 0.05,
+            bits,
+            gs,
+            sym=sym,
+            act_order=act,
+            fmt=fmt,
+            scale_dtype=dtype,
+            seed=seed,
+        )
 
     # 1. every combination, M=5 (the decode tile), plus the negative controls
     sanitize(False)
@@ -77,9 +84,11 @@ def _child(out_path: str) -> None:
         out = T.gptq_gemm(x, L.qweight, L.qzeros, L.scales, g, bits, gs, fmt)
         other = "v2" if fmt == "v1" else "v1"
         bad_fmt = T.gptq_gemm(x, L.qweight, L.qzeros, L.scales, g, bits, gs, other)
-        entry = {"good": _cmp(R.compare(out, ref, dtype)),
-                 "wrong_format": _cmp(R.compare(bad_fmt, ref, dtype)),
-                 "config": T.pick_config(5, K if gs == -1 else gs, act).name}
+        entry = {
+            "good": _cmp(R.compare(out, ref, dtype)),
+            "wrong_format": _cmp(R.compare(bad_fmt, ref, dtype)),
+            "config": T.pick_config(5, K if gs == -1 else gs, act).name,
+        }
         if act:
             no_gidx = T.gptq_gemm(x, L.qweight, L.qzeros, L.scales, None, bits, gs, fmt)
             entry["ignored_g_idx"] = _cmp(R.compare(no_gidx, ref, dtype))
@@ -94,26 +103,43 @@ def _child(out_path: str) -> None:
             x = R.check_inputs(m, KM, dtype, "cpu", seed=m)
             ref = R.reference_matmul(x, L.qweight, L.qzeros, L.scales, L.g_idx, bits, "v2")
             out = T.gptq_gemm(x, L.qweight, L.qzeros, L.scales, L.g_idx if act else None, bits, gs, "v2")
-            res[f"m{m}-b{bits}-g{gs}-{dt}"] = {"good": _cmp(R.compare(out, ref, dtype)),
-                                               "config": T.pick_config(m, KM if gs == -1 else gs, act).name}
+            res[f"m{m}-b{bits}-g{gs}-{dt}"] = {
+                "good": _cmp(R.compare(out, ref, dtype)),
+                "config": T.pick_config(m, KM if gs == -1 else gs, act).name,
+            }
     sanitize(False)
 
     # 3. dispatcher on CPU (interpreter): Triton is chosen and self-checked
     def select(L, dtype, *, desc_act, declared, dev=None, kernels=None, ck=None, prefix="t"):
         ck = ck or dispatch.Checkpoint(L.qweight, L.qzeros, L.scales, L.g_idx)
-        return dispatch.select(ck, bits=L.bits, group_size=L.group_size, desc_act=desc_act,
-                               declared=declared, dtype=dtype, prefix=prefix, dev=dev, kernels=kernels)
+        return dispatch.select(
+            ck,
+            bits=L.bits,
+            group_size=L.group_size,
+            desc_act=desc_act,
+            declared=declared,
+            dtype=dtype,
+            prefix=prefix,
+            dev=dev,
+            kernels=kernels,
+        )
 
     def summary(sel, x, want):
-        return {"kernel": sel.kernel, "fmt": sel.fmt, "check_ok": sel.check.ok,
-                "act_order": sel.act_order, "skipped": sel.skipped,
-                "out": _cmp(R.compare(sel.gemm(x), want, x.dtype))}
+        return {
+            "kernel": sel.kernel,
+            "fmt": sel.fmt,
+            "check_ok": sel.check.ok,
+            "act_order": sel.act_order,
+            "skipped": sel.skipped,
+            "out": _cmp(R.compare(sel.gemm(x), want, x.dtype)),
+        }
 
     cpu = dispatch.DeviceInfo("cpu", False, None)
     L = layer(4, 32, True, True, "v2", torch.bfloat16, seed=5)  # act-order, v2 zeros declared v1
     x = R.check_inputs(7, K, torch.bfloat16, "cpu", seed=9)
     res["dispatch_default"] = summary(
-        select(L, torch.bfloat16, desc_act=True, declared="v1", dev=cpu), x, x.float() @ L.w)
+        select(L, torch.bfloat16, desc_act=True, declared="v1", dev=cpu), x, x.float() @ L.w
+    )
 
     # row-parallel act-order shard: full scales/zeros, the shard's rows, global group ids
     L = layer(4, 32, True, False, "v1", torch.float16, seed=6)
@@ -129,9 +155,14 @@ def _child(out_path: str) -> None:
     found = dispatch.discover(namespaces_first=[doubles.RDNA3_NO_SHUFFLE])
     L = layer(4, 64, False, True, "v1", torch.float16, seed=7)
     x = R.check_inputs(5, K, torch.float16, "cpu", seed=2)
-    sel = select(L, torch.float16, desc_act=False, declared="v1", dev=gfx,
-                 kernels=[dispatch.NativeRdna3Kernel(*found.rdna3[0]), dispatch.TritonKernel(),
-                          dispatch.TorchKernel()])
+    sel = select(
+        L,
+        torch.float16,
+        desc_act=False,
+        declared="v1",
+        dev=gfx,
+        kernels=[dispatch.NativeRdna3Kernel(*found.rdna3[0]), dispatch.TritonKernel(), dispatch.TorchKernel()],
+    )
     res["dispatch_broken_native"] = summary(sel, x, x.float() @ L.w)
 
     with open(out_path, "w") as f:
@@ -150,8 +181,9 @@ if __name__ == "__main__":
 def interp(tmp_path_factory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("gptq_interp") / "results.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], env=env,
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), str(out)], env=env, capture_output=True, text=True, timeout=900
+    )
     assert p.returncode == 0, f"interpreter child failed:\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}"
     with open(out) as f:
         return json.load(f)
@@ -195,6 +227,6 @@ def test_dispatch_row_parallel_act_order_shard(interp) -> None:
 def test_garbage_native_kernel_falls_back_loudly(interp) -> None:
     r = interp["dispatch_broken_native"]
     assert r["kernel"] == "triton" and r["out"]["ok"], r
-    (name, why), = r["skipped"]
+    ((name, why),) = r["skipped"]
     assert name.startswith("native:sglang_l3_test_broken::gptq_gemm_rdna3")
     assert why.startswith("self-check mismatch"), why

@@ -15,8 +15,13 @@ from sglang_l3.patches.framework import PatchError, PatchSpec, State, TargetSpec
 TARGETS = ("fake_patch_target:Greeter.hello", "fake_patch_target:Greeter.shout", "fake_patch_target:Greeter.make")
 
 
-def _spec(pid: str, fingerprints: dict[str, str] | None = None, targets=TARGETS, kind: str = "AROUND+AFTER",
-          requires: tuple[str, ...] = ()) -> PatchSpec:
+def _spec(
+    pid: str,
+    fingerprints: dict[str, str] | None = None,
+    targets=TARGETS,
+    kind: str = "AROUND+AFTER",
+    requires: tuple[str, ...] = (),
+) -> PatchSpec:
     fps = fingerprints or {}
     return PatchSpec(
         id=pid,
@@ -81,8 +86,15 @@ def test_drifted_target_is_refused(clean, monkeypatch) -> None:
 
 
 def test_missing_target_names_patch_and_target(clean) -> None:
-    spec = PatchSpec("t-missing", "fake_patch_target", "AROUND", "t", (), "n",
-                     (TargetSpec("fake_patch_target:Greeter.goodbye", "sha256:0"),))
+    spec = PatchSpec(
+        "t-missing",
+        "fake_patch_target",
+        "AROUND",
+        "t",
+        (),
+        "n",
+        (TargetSpec("fake_patch_target:Greeter.goodbye", "sha256:0"),),
+    )
     with pytest.raises(PatchError, match=r"t-missing.*fake_patch_target:Greeter.goodbye.*not found"):
         framework.apply_one(spec)
 
@@ -109,10 +121,12 @@ def test_series_is_complete_and_matches_upstream() -> None:
         assert s.why and s.retire_when and s.targets
     # Fingerprints are checked in a process that has applied nothing (this one has
     # applied the queue, and in-place registry edits change what a target hashes to).
-    out = subprocess.run([sys.executable, "-m", "sglang_l3.patches.fingerprint"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang_l3.patches.fingerprint"], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, "targets drifted from the pinned upstream:\n" + "\n".join(
-        line for line in out.stdout.splitlines() if not line.startswith("ok"))
+        line for line in out.stdout.splitlines() if not line.startswith("ok")
+    )
     assert out.stdout.count("\nok") + out.stdout.startswith("ok") == sum(len(s.targets) for s in specs)
 
 
@@ -124,8 +138,15 @@ def test_declared_kind_must_match_what_apply_installs(clean) -> None:
 
 
 def _registry_spec() -> PatchSpec:
-    return PatchSpec("t-reg", "fake_patch_registry", "REGISTRY", "t", (), "n",
-                     (TargetSpec("fake_patch_target:REGISTRY", framework.fingerprint_path("fake_patch_target:REGISTRY")),))
+    return PatchSpec(
+        "t-reg",
+        "fake_patch_registry",
+        "REGISTRY",
+        "t",
+        (),
+        "n",
+        (TargetSpec("fake_patch_target:REGISTRY", framework.fingerprint_path("fake_patch_target:REGISTRY")),),
+    )
 
 
 def test_requires_applies_the_required_patch_first(clean) -> None:
@@ -165,8 +186,10 @@ fingerprint = "sha256:0"
     p.write_text(entry.format(id="b", req='["a"]') + entry.format(id="a", req="[]"))
     with pytest.raises(PatchError, match="'b' requires 'a', which is not an earlier entry"):
         framework.load_series(p)
-    p.write_text(entry.format(id="a", req="[]") + entry.format(id="b", req='["a"]').replace(
-        'kind = "AROUND"', 'kind = ["REGISTRY", "AFTER"]'))
+    p.write_text(
+        entry.format(id="a", req="[]")
+        + entry.format(id="b", req='["a"]').replace('kind = "AROUND"', 'kind = ["REGISTRY", "AFTER"]')
+    )
     specs = framework.load_series(p)
     assert specs[1].requires == ("a",) and specs[1].kinds == {"REGISTRY", "AFTER"}
 

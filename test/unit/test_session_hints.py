@@ -69,16 +69,11 @@ def test_identical_hints_run_once_and_requests_join():
         h2, created2 = book.start(sched, [1, 2, 3, 4], None)
         assert created1 and not created2 and h1 is h2
         await asyncio.sleep(0)
-        assert [o.rid for o in sched.seen] == [h1.id] and h1.id.startswith(
-            HINT_RID_PREFIX
-        )
+        assert [o.rid for o in sched.seen] == [h1.id] and h1.id.startswith(HINT_RID_PREFIX)
         assert sched.seen[0].sampling_params == {"max_new_tokens": 0}
         # a request extending the hinted context waits; an unrelated one does not
         assert book.covering([1, 2, 3, 4, 9], None) == [h1]
-        assert (
-            book.covering([1, 2, 3], None) == []
-            and book.covering([7, 2, 3, 4, 5], None) == []
-        )
+        assert book.covering([1, 2, 3], None) == [] and book.covering([7, 2, 3, 4, 5], None) == []
         assert book.covering(None, "s") == [h1]
         waiter = asyncio.create_task(book.join([1, 2, 3, 4, 5], None))
         await asyncio.sleep(0.05)
@@ -87,9 +82,7 @@ def test_identical_hints_run_once_and_requests_join():
         assert await asyncio.wait_for(waiter, 10) == 1
         assert h1.state == "landed" and h1.cached["storage"] == 128
         assert book.covering([1, 2, 3, 4, 5], None) == []
-        h3, created3 = book.start(
-            sched, [1, 2, 3, 4], None
-        )  # landed: a new hint may run
+        h3, created3 = book.start(sched, [1, 2, 3, 4], None)  # landed: a new hint may run
         assert created3 and h3 is not h1
         await asyncio.wait_for(h3.done.wait(), 10)
 
@@ -118,12 +111,16 @@ def test_request_ids_and_session():
         None,
         True,
     )
-    assert request_ids_and_session(
-        _Obj(rid="r", input_ids=[1, 2], session_id="a", session_params=None)
-    ) == ([1, 2], "a", False)
-    assert request_ids_and_session(
-        _Obj(rid="r", input_ids=[[1]], session_id=None, session_params={"id": "b"})
-    ) == (None, "b", False)
+    assert request_ids_and_session(_Obj(rid="r", input_ids=[1, 2], session_id="a", session_params=None)) == (
+        [1, 2],
+        "a",
+        False,
+    )
+    assert request_ids_and_session(_Obj(rid="r", input_ids=[[1]], session_id=None, session_params={"id": "b"})) == (
+        None,
+        "b",
+        False,
+    )
 
 
 def test_patches_apply():
@@ -162,20 +159,14 @@ def test_routes_answer_clearly(monkeypatch, tmp_path):
     monkeypatch.setitem(
         sys.modules,
         patch.HTTP,
-        types.SimpleNamespace(
-            _global_state=types.SimpleNamespace(tokenizer_manager=tm)
-        ),
+        types.SimpleNamespace(_global_state=types.SimpleNamespace(tokenizer_manager=tm)),
     )
     app = FastAPI()
     patch.add_routes(app)
     c = TestClient(app)
-    assert (
-        c.post("/sglang_l3/prefetch", json={"session_id": "nobody"}).status_code == 404
-    )
+    assert c.post("/sglang_l3/prefetch", json={"session_id": "nobody"}).status_code == 404
     assert c.post("/sglang_l3/prefetch", content=b"{not json").status_code == 400
-    assert (
-        c.post("/sglang_l3/prefetch", json={"input_ids": [1, 5000]}).status_code == 400
-    )
+    assert c.post("/sglang_l3/prefetch", json={"input_ids": [1, 5000]}).status_code == 400
     r = c.post("/sglang_l3/prefetch", json={"input_ids": [1, 2, 3]})
     assert r.status_code == 202, r.text
     hid = r.json()["hint_id"]
@@ -185,7 +176,5 @@ def test_routes_answer_clearly(monkeypatch, tmp_path):
     info = c.get("/sglang_l3/sessions").json()
     assert info["store"] == str(tmp_path) and info["sessions"] == []
     tm.gracefully_exit = True
-    assert (
-        c.post("/sglang_l3/prefetch", json={"input_ids": [1, 2, 3]}).status_code == 503
-    )
+    assert c.post("/sglang_l3/prefetch", json={"input_ids": [1, 2, 3]}).status_code == 503
     BOOK.hints.clear()

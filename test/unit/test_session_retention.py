@@ -47,9 +47,7 @@ def test_open_session_pages_outlive_plain_pages_under_the_cap(tmp_path):
     plain = keys(24, "p")
     for i in range(0, 24, 2):  # plain traffic, far more than the cap
         assert st.batch_set_v1(plain[i : i + 2], _idx(2)) == [True, True]
-    assert _present(st, a) == [True] * 4, (
-        "an open session's context must stay restorable"
-    )
+    assert _present(st, a) == [True] * 4, "an open session's context must stay restorable"
     assert not st.exists(plain[0])
     c = st.counters()
     assert c["evicted_plain"] >= 14 and c.get("evicted_open", 0) == 0
@@ -83,9 +81,7 @@ def test_closing_releases_the_protection(tmp_path):
     reg.on_turn("a", a, 16)
     reg.on_turn("b", b, 16)
     assert reg.close("a") and not reg.close("a")
-    assert st.batch_set_v1(keys(1, "p"), _idx(1)) == [
-        True
-    ]  # 9 > cap 8: evict down to 6
+    assert st.batch_set_v1(keys(1, "p"), _idx(1)) == [True]  # 9 > cap 8: evict down to 6
     assert _present(st, a) == [
         True,
         True,
@@ -93,10 +89,7 @@ def test_closing_releases_the_protection(tmp_path):
         False,
     ]  # the closed session, deepest first
     assert _present(st, b) == [True] * 4
-    assert (
-        st.counters()["evicted_closed"] == 2
-        and st.counters().get("evicted_open", 0) == 0
-    )
+    assert st.counters()["evicted_closed"] == 2 and st.counters().get("evicted_open", 0) == 0
     st.close()
 
 
@@ -175,9 +168,7 @@ def test_free_space_floor_wins_over_retention(tmp_path):
         floor - n + n * int(st.store.counters.get("evicted")),
     )
     assert st.batch_set_v1(keys(1, "p"), _idx(1)) == [True]
-    assert st.counters()["evicted_open"] == 2, (
-        "the floor must evict an open session's pages"
-    )
+    assert st.counters()["evicted_open"] == 2, "the floor must evict an open session's pages"
     assert _present(st, a) == [True, True, False, False]  # deepest first
     st.close()
 
@@ -196,13 +187,7 @@ def test_sessions_survive_a_restart_and_keep_retention(tmp_path):
 
     st2 = make_store(tmp_path / "s", kv=kv, extra={"max_bytes": cap})
     rec = st2.store.sessions.get("agent-a")
-    assert (
-        rec is not None
-        and rec.keys == a
-        and rec.tokens == 16
-        and rec.priority == 3
-        and rec.open
-    )
+    assert rec is not None and rec.keys == a and rec.tokens == 16 and rec.priority == 3 and rec.open
     assert st2.store.sessions.get("gone").open is False
     assert st2.store.sessions.load_reason is None
     plain = keys(24, "p")
@@ -225,9 +210,7 @@ def test_only_rank0_writes_the_table(tmp_path):
     assert os.listdir(tmp_path / "tmp") == []
 
 
-@pytest.mark.parametrize(
-    "damage", ["garbage", "truncated", "checksum", "foreign", "symlink", "bad_key"]
-)
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "checksum", "foreign", "symlink", "bad_key"])
 def test_corrupt_or_foreign_table_is_ignored_with_a_reason(tmp_path, caplog, damage):
     kv = make_kv_pool()
     st = make_store(tmp_path, kv=kv)

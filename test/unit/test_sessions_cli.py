@@ -27,9 +27,7 @@ def _store(root):
         Shard(),
         sweep_strays=False,
     )
-    kv = st.pool_spec(
-        PoolLayout("kv", "page_first", 64, (("bfloat16", (KVB // 2,)),), KVB)
-    )
+    kv = st.pool_spec(PoolLayout("kv", "page_first", 64, (("bfloat16", (KVB // 2,)),), KVB))
     return st, kv
 
 
@@ -38,11 +36,7 @@ def _populate(root):
     a = [_k(f"a{i}") for i in range(4)]
     b = [_k(f"b{i}") for i in range(3)]
     # a: pages 0, 1, 3 on disk (2 evicted) -> restorable prefix 2; b: nothing on disk
-    assert all(
-        st.write(
-            [WriteItem(k, kv, [memoryview(bytearray(KVB))]) for k in (a[0], a[1], a[3])]
-        )
-    )
+    assert all(st.write([WriteItem(k, kv, [memoryview(bytearray(KVB))]) for k in (a[0], a[1], a[3])]))
     st.sessions.on_turn("agent-a", a, 256, priority=2)
     st.sessions.on_turn("agent-b", b, 192)
     st.sessions.close("agent-b")
@@ -57,14 +51,10 @@ def test_ls_show_drop(tmp_path, capsys):
     assert cli.main(["sessions", "--dir", str(root), "ls", "--json"]) == 0
     rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["agent-a"]["state"] == "open" and rows["agent-b"]["state"] == "closed"
-    assert (
-        rows["agent-a"]["stored_pages"] == 3
-        and rows["agent-a"]["restorable_pages"] == 2
-    )
+    assert rows["agent-a"]["stored_pages"] == 3 and rows["agent-a"]["restorable_pages"] == 2
     assert rows["agent-a"]["chain_pages"] == 4 and rows["agent-a"]["tokens"] == 256
     assert rows["agent-a"]["bytes"] == sum(
-        os.path.getsize(os.path.join(root, "pages", n))
-        for n in os.listdir(root / "pages")
+        os.path.getsize(os.path.join(root, "pages", n)) for n in os.listdir(root / "pages")
     )
     assert rows["agent-b"]["stored_pages"] == 0 and rows["agent-a"]["mid"] == mid
     assert cli.main(["sessions", "--dir", str(root), "ls"]) == 0

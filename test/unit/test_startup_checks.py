@@ -68,9 +68,7 @@ def test_world_writable_store(tmp_path: Path, capsys) -> None:
     d.chmod(0o777)
     line = _refused(_argv(d), capsys)
     assert "store_dir" in line and "world-writable" in line and f"chmod 700 {d}" in line
-    assert (
-        stat.S_IMODE(os.stat(d).st_mode) == 0o777
-    )  # refused, not "fixed" behind the user's back
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o777  # refused, not "fixed" behind the user's back
     assert not (d / "pages").exists()
 
 
@@ -85,9 +83,7 @@ def test_unreadable_extra_config(tmp_path: Path, capsys) -> None:
     assert "--hicache-storage-backend-extra-config" in line and "Fix:" in line
 
 
-def test_cpu_without_max_total_tokens_leaves_no_host_memory(
-    tmp_path: Path, capsys
-) -> None:
+def test_cpu_without_max_total_tokens_leaves_no_host_memory(tmp_path: Path, capsys) -> None:
     # upstream's KV pool on --device cpu keeps only ~3.6 GiB of host memory (10 GiB
     # above 60 GiB) for everything else: always under the 10 GiB HiCache reserve
     line = _refused(_argv(tmp_path / "store", tokens=None), capsys)
@@ -98,9 +94,7 @@ def test_cpu_without_max_total_tokens_leaves_no_host_memory(
     assert "Fix: pass --max-total-tokens" in line
 
 
-def test_good_command_line_parses_and_creates_a_private_store(
-    tmp_path: Path, monkeypatch
-) -> None:
+def test_good_command_line_parses_and_creates_a_private_store(tmp_path: Path, monkeypatch) -> None:
     # as on a machine with room for HiCache (a shared test machine may have less
     # than the 10 GiB reserve available, and then refusing is right)
     monkeypatch.setattr(startup_checks, "_available_host_bytes", lambda: 64 * GiB)
@@ -129,30 +123,18 @@ def test_host_budget_prediction() -> None:
         tp_size, pp_size, nnodes = 2, 1, 1
 
     check = startup_checks.check_host_memory
-    check(
-        A(), available=64 * GiB, total=128 * GiB
-    )  # GPU: the device pools are elsewhere
-    with pytest.raises(
-        startup_checks.StartupCheckError
-    ) as e:  # under the reserve: nothing fits
+    check(A(), available=64 * GiB, total=128 * GiB)  # GPU: the device pools are elsewhere
+    with pytest.raises(startup_checks.StartupCheckError) as e:  # under the reserve: nothing fits
         check(A(), available=8 * GiB, total=16 * GiB)
-    assert (
-        "--enable-hierarchical-cache" in e.value.message
-        and "Fix: free host memory" in e.value.message
-    )
+    assert "--enable-hierarchical-cache" in e.value.message and "Fix: free host memory" in e.value.message
     A.hicache_size = 40  # GB per rank, 2 ranks: 80 GB > 54 GiB free beyond the reserve
     with pytest.raises(startup_checks.StartupCheckError) as e:
         check(A(), available=64 * GiB, total=128 * GiB)
-    assert (
-        "--hicache-size 40" in e.value.message
-        and "Fix: --hicache-size" in e.value.message
-    )
+    assert "--hicache-size 40" in e.value.message and "Fix: --hicache-size" in e.value.message
     A.hicache_size = 20
     check(A(), available=64 * GiB, total=128 * GiB)
     A.hicache_size, A.device = 0, "cpu"
-    with pytest.raises(
-        startup_checks.StartupCheckError
-    ) as e:  # the CPU KV pool eats the host
+    with pytest.raises(startup_checks.StartupCheckError) as e:  # the CPU KV pool eats the host
         check(A(), available=200 * GiB, total=256 * GiB)
     assert "--max-total-tokens" in e.value.message
     A.mem_fraction_static = 0.3  # the KV pool keeps 70 % of 64 GiB for the rest

@@ -93,8 +93,7 @@ def test_enospc_mid_write_leaves_nothing(tmp_path, monkeypatch):
 def tiny_fs(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)], capture_output=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     try:

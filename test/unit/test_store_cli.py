@@ -26,21 +26,30 @@ def _k(s):
 @pytest.fixture
 def populated(tmp_path):
     root = tmp_path / "store"
-    st = PageStore(StoreSettings(root=root, min_free="0"), ModelIdentity(model="org/model-a"), Shard(),
-                   sweep_strays=False)
+    st = PageStore(
+        StoreSettings(root=root, min_free="0"), ModelIdentity(model="org/model-a"), Shard(), sweep_strays=False
+    )
     kv = st.pool_spec(PoolLayout("kv", "page_first", 64, (("bfloat16", (KVB // 2,)),), KVB))
     mb = st.pool_spec(PoolLayout("mamba", "page_first", 1, (("float32", (MB // 4,)),), MB))
     chain = [_k(f"a{i}") for i in range(4)]
-    items = [WriteItem(k, kv, [memoryview(bytearray(os.urandom(KVB)))], prior=(chain[i - 1] if i else ""), depth=i)
-             for i, k in enumerate(chain)]
+    items = [
+        WriteItem(k, kv, [memoryview(bytearray(os.urandom(KVB)))], prior=(chain[i - 1] if i else ""), depth=i)
+        for i, k in enumerate(chain)
+    ]
     # A second chain whose first link is unknown (no prefix keys passed).
     other = [_k(f"b{i}") for i in range(2)]
-    items += [WriteItem(k, kv, [memoryview(bytearray(KVB))], prior=(other[0] if i else None)) for i, k in enumerate(other)]
+    items += [
+        WriteItem(k, kv, [memoryview(bytearray(KVB))], prior=(other[0] if i else None)) for i, k in enumerate(other)
+    ]
     assert all(st.write(items))
     assert st.write([WriteItem(chain[1], mb, [memoryview(bytearray(MB))], depth=1)]) == [True]
     st.close()
-    st_b = PageStore(StoreSettings(root=root, min_free="0"), ModelIdentity(model="org/model-b"),
-                     Shard(tp_rank=1, tp_size=2), sweep_strays=False)
+    st_b = PageStore(
+        StoreSettings(root=root, min_free="0"),
+        ModelIdentity(model="org/model-b"),
+        Shard(tp_rank=1, tp_size=2),
+        sweep_strays=False,
+    )
     kvb = st_b.pool_spec(PoolLayout("kv", "page_first", 64, (("bfloat16", (KVB // 2,)),), KVB))
     st_b.write([WriteItem(_k("c0"), kvb, [memoryview(bytearray(KVB))], prior="")])
     st_b.close()
@@ -118,7 +127,9 @@ def test_evict_to_size_lru(populated, capsys):
     for i, name in enumerate(pages):  # deterministic recency: later = newer
         os.utime(root / "pages" / name, (1000 + i, 1000 + i))
     keep = header_len_for(KVB) + KVB
-    rc, out = _run(["store", "--dir", str(root), "evict", "--yes", "--to", str(2 * keep + MB + header_len_for(MB))], capsys)
+    rc, out = _run(
+        ["store", "--dir", str(root), "evict", "--yes", "--to", str(2 * keep + MB + header_len_for(MB))], capsys
+    )
     assert rc == 0
     left = sorted(os.listdir(root / "pages"))
     total = sum(os.path.getsize(root / "pages" / n) for n in left)
@@ -160,8 +171,14 @@ def test_doctor_report(populated, tmp_path):
 
 
 def test_cli_is_torch_free(tmp_path):
-    code = ("import sys, sglang_l3.storage.cli, sglang_l3.storage.doctor, sglang_l3.storage.store;"
-            "bad=[m for m in ('torch','sglang') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    code = (
+        "import sys, sglang_l3.storage.cli, sglang_l3.storage.doctor, sglang_l3.storage.store;"
+        "bad=[m for m in ('torch','sglang') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+    )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -116,13 +116,9 @@ def test_clear_without_terminal_needs_yes(store):
 
 def test_evict_of_more_than_half_needs_yes(store):
     one = PAYLOAD + 4096
-    rc, _, err = cli(
-        "--dir", store, "evict", "--to", str(3 * one)
-    )  # would remove 9 of 12
+    rc, _, err = cli("--dir", store, "evict", "--to", str(3 * one))  # would remove 9 of 12
     assert rc == 3 and "--yes" in err and len(pages(store)) == N
-    rc, _, _ = cli(
-        "--dir", store, "evict", "--to", str(8 * one)
-    )  # 4 of 12: no question
+    rc, _, _ = cli("--dir", store, "evict", "--to", str(8 * one))  # 4 of 12: no question
     assert rc == 0 and len(pages(store)) == 8
     rc, _, _ = cli("--dir", store, "evict", "--to", "0", "--yes")
     assert rc == 0 and pages(store) == []
@@ -140,9 +136,7 @@ def _on_terminal(argv, answer):
             env=_env(),
             text=True,
         )
-        os.write(
-            master, answer.encode()
-        )  # queued in the terminal until the prompt reads it
+        os.write(master, answer.encode())  # queued in the terminal until the prompt reads it
         out, err = p.communicate(timeout=300)
     finally:
         os.close(slave)
@@ -153,9 +147,7 @@ def _on_terminal(argv, answer):
 def test_clear_on_a_terminal_asks(store):
     rc, _, err = _on_terminal(["--dir", store, "clear"], "n\n")
     assert rc == 3 and "Proceed? [y/N]" in err and len(pages(store)) == N
-    rc, _, err = _on_terminal(
-        ["--dir", store, "evict", "--to", "0"], "\n"
-    )  # Enter = no
+    rc, _, err = _on_terminal(["--dir", store, "evict", "--to", "0"], "\n")  # Enter = no
     assert rc == 3 and len(pages(store)) == N
     rc, _, err = _on_terminal(["--dir", store, "clear"], "y\n")
     assert rc == 0 and pages(store) == []
@@ -248,9 +240,7 @@ def test_every_subcommand_refuses_what_the_server_refuses(tmp_path, kind):
         assert rc == 2, (sub, out, err)
         assert out == "", f"{sub} printed data from a store it refuses: {out!r}"
         assert "Fix" in err and "refusing" not in err.split(":")[0], (sub, err)
-        assert pages(root) == before, (
-            f"{sub} removed pages from a store the server refuses"
-        )
+        assert pages(root) == before, f"{sub} removed pages from a store the server refuses"
 
 
 def test_ls_header_count_limit_and_no_match(store):
@@ -259,18 +249,9 @@ def test_ls_header_count_limit_and_no_match(store):
     assert rc == 0 and lines[0].split()[:3] == ["modified", "size", "pool"]
     assert len(lines) == 1 + 5 + 1 and lines[-1].startswith(f"5 of {N} pages shown")
     rc, out, _ = cli("--dir", store, "ls", "--limit", "0")
-    assert (
-        rc == 0
-        and len(out.splitlines()) == 1 + N + 1
-        and out.splitlines()[-1] == f"{N} pages"
-    )
+    assert rc == 0 and len(out.splitlines()) == 1 + N + 1 and out.splitlines()[-1] == f"{N} pages"
     rc, out, err = cli("--dir", store, "ls", "--model", "nosuch")
-    assert (
-        rc == 1
-        and "no model matches 'nosuch'" in err
-        and "org/model" in err
-        and out == ""
-    )
+    assert rc == 1 and "no model matches 'nosuch'" in err and "org/model" in err and out == ""
     rc, _, err = cli("--dir", store, "ls", "--limit", "-5")
     assert rc == 2 and "--limit" in err
 
@@ -291,9 +272,7 @@ def test_verify_progress_line_leaves_no_garbage(store):
     assert err.endswith("\n") and "100.0%" in updates[-1]
 
 
-@pytest.mark.parametrize(
-    "how", [["evict", "--to", "100G"], ["clear", "--yes"], ["verify", "--repair"]]
-)
+@pytest.mark.parametrize("how", [["evict", "--to", "100G"], ["clear", "--yes"], ["verify", "--repair"]])
 def test_dead_writers_tmp_files_removed_live_ones_kept(tmp_path, how):
     root = tmp_path / "store"
     _store(root)
@@ -312,11 +291,7 @@ def test_dead_writers_tmp_files_removed_live_ones_kept(tmp_path, how):
     os.symlink(victim, root / "tmp" / "999999998-link.tmp")
     rc, _, err = cli("--dir", root, *how)
     assert rc == 0, err
-    assert (
-        live.exists()
-        and not dead.exists()
-        and not os.path.lexists(root / "tmp" / "999999998-link.tmp")
-    )
+    assert live.exists() and not dead.exists() and not os.path.lexists(root / "tmp" / "999999998-link.tmp")
     assert victim.read_bytes() == b"keep"
     live_store.close()
 
@@ -327,16 +302,12 @@ def test_stats_says_how_to_remove_leftovers(store):
     assert rc == 0 and "leftover tmp files 1" in out and "evict" in out
 
 
-@pytest.mark.parametrize(
-    "bad", ["x\n", "a\rb", "a\0b", "", "é", "../..", "/", "a" * 200, "a b", "a/../b"]
-)
+@pytest.mark.parametrize("bad", ["x\n", "a\rb", "a\0b", "", "é", "../..", "/", "a" * 200, "a b", "a/../b"])
 def test_model_argument_validated(store, bad, capsys):
     from sglang_l3.storage import cli as store_cli
 
     for sub in (["ls"], ["clear", "--yes"]):
-        if (
-            "\0" in bad
-        ):  # no process can receive a NUL in argv: call the entry point in-process
+        if "\0" in bad:  # no process can receive a NUL in argv: call the entry point in-process
             with pytest.raises(SystemExit) as e:
                 store_cli.main(["store", "--dir", str(store), *sub, "--model", bad])
             rc, (out, err) = e.value.code, capsys.readouterr()
@@ -352,11 +323,7 @@ def test_doctor_on_a_file_does_not_contradict_itself(tmp_path):
     r = doctor.report(str(f))
     assert not r["ok"] and r["data"]["exists"] is True
     text = " ".join(r["lines"])
-    assert (
-        "not a directory" in text
-        and "created" not in text
-        and "first start" not in text
-    )
+    assert "not a directory" in text and "created" not in text and "first start" not in text
     from sglang_l3 import doctor as top
 
     assert not top.check_store_dir(str(f)).ok

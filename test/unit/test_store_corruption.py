@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from test_store_support import (
-    fill_random, keys, make_kv_pool, make_mamba_pool, make_store, page_bytes, page_files, quarantine_files, zero,
+    fill_random,
+    keys,
+    make_kv_pool,
+    make_mamba_pool,
+    make_store,
+    page_bytes,
+    page_files,
+    quarantine_files,
+    zero,
 )
 
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
@@ -135,6 +143,7 @@ def test_stray_non_page_file_is_swept(tmp_path):
             if len(quarantine_files(tmp_path)) == 2:
                 break
             import time
+
             time.sleep(0.05)
     finally:
         store_mod._STRAY_MIN_AGE_S = old
@@ -144,11 +153,14 @@ def test_stray_non_page_file_is_swept(tmp_path):
     st.close()
 
 
-@pytest.mark.parametrize("other", [
-    dict(model="other/model"),  # another model
-    dict(tp_size=2),  # another TP size
-    dict(dtype=torch.float16),  # another KV dtype (same bytes per page)
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        dict(model="other/model"),  # another model
+        dict(tp_size=2),  # another TP size
+        dict(dtype=torch.float16),  # another KV dtype (same bytes per page)
+    ],
+)
 def test_page_from_another_identity(tmp_path, other):
     """A foreign page placed at our path (copied, renamed, restored from a
     backup) is detected by the header: a bf16 page is never read as fp16."""
@@ -195,8 +207,12 @@ def test_corrupt_mamba_state_misses_without_touching_kv(tmp_path):
     ks = keys(3)
     tr = lambda idx: [  # noqa: E731
         PoolTransfer(name=PoolName.KV, host_indices=_idx(3, 4, idx), keys=ks),
-        PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([idx]), keys=[ks[-1]],
-                     hit_policy=PoolHitPolicy.TRAILING_PAGES),
+        PoolTransfer(
+            name=PoolName.MAMBA,
+            host_indices=torch.tensor([idx]),
+            keys=[ks[-1]],
+            hit_policy=PoolHitPolicy.TRAILING_PAGES,
+        ),
     ]
     st.batch_set_v2(tr(0))
     mp = _path(st, ks[-1], "mamba")
@@ -205,8 +221,9 @@ def test_corrupt_mamba_state_misses_without_touching_kv(tmp_path):
     assert res[PoolName.KV] == [True] * 3 and res[PoolName.MAMBA] == [False]
     assert st.counters()["quarantined_checksum"] == 1
     # And the existence query no longer promises the state.
-    r = st.batch_exists_v2(ks, [PoolTransfer(name=PoolName.MAMBA, keys=[ks[-1]],
-                                             hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    r = st.batch_exists_v2(
+        ks, [PoolTransfer(name=PoolName.MAMBA, keys=[ks[-1]], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    )
     assert r.kv_hit_pages == 0 and r.restorable_prefix_pages == []
     st.close()
 
@@ -223,7 +240,8 @@ def test_internal_errors_are_misses_not_exceptions(written, monkeypatch):
     assert st.batch_get_v1(ks, _idx(4, 4)) == [False] * 4
     assert st.batch_set_v1(ks, _idx(4, 4)) == [False] * 4
     assert st.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=_idx(4, 4), keys=ks)]) == {
-        PoolName.KV: [False] * 4}
+        PoolName.KV: [False] * 4
+    }
     assert st.batch_exists_v2(ks).kv_hit_pages == 0
     assert st.batch_exists(ks) == 0 and st.exists(ks[0]) is False
     assert st.counters()["api_errors"] == 6

@@ -41,8 +41,7 @@ while True:
 
 
 def _open(root):
-    st = PageStore(StoreSettings(root=root, min_free="0"), ModelIdentity(model="crash"), Shard(),
-                   sweep_strays=False)
+    st = PageStore(StoreSettings(root=root, min_free="0"), ModelIdentity(model="crash"), Shard(), sweep_strays=False)
     return st, st.pool_spec(PoolLayout("kv", "raw", 1, (("uint8", (PAGE,)),), PAGE))
 
 
@@ -52,8 +51,9 @@ def test_kill9_mid_write_leaves_no_readable_partial_page(tmp_path, durability):
     leftovers = 0
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     for attempt in range(4):
-        p = subprocess.Popen([sys.executable, "-c", WRITER, str(root), durability, str(PAGE)],
-                             stdout=subprocess.PIPE, env=env)
+        p = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(root), durability, str(PAGE)], stdout=subprocess.PIPE, env=env
+        )
         assert p.stdout.readline().strip() == b"ready"
         p.stdout.readline()  # at least one batch landed
         time.sleep(0.05 + 0.07 * attempt)
@@ -133,8 +133,12 @@ print("ok", flush=True)
 def test_two_rank_processes_share_a_directory(tmp_path):
     """TP=2: both ranks start, write and read concurrently on one directory."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    ps = [subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path), str(r)], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, env=env) for r in range(2)]
+    ps = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(tmp_path), str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=120) for p in ps]
     for p, (out, err) in zip(ps, outs):
         assert p.returncode == 0 and out.strip() == b"ok", err.decode()[-2000:]

@@ -8,7 +8,15 @@ import pytest
 
 from sglang_l3.storage.config import ConfigError, StoreSettings, parse_size
 from sglang_l3.storage.format import (
-    ALIGN, FIXED, MAGIC, HeaderError, PageName, decode_header, encode_header, header_len_for, n_blocks_for,
+    ALIGN,
+    FIXED,
+    MAGIC,
+    HeaderError,
+    PageName,
+    decode_header,
+    encode_header,
+    header_len_for,
+    n_blocks_for,
     parse_page_name,
 )
 from sglang_l3.storage.identity import ModelIdentity, PoolLayout, Shard, identity_for
@@ -66,8 +74,15 @@ def test_page_names():
 def test_identity_digests_separate_what_changes_bytes():
     base = ModelIdentity(model="m", kv_cache_dtype="bfloat16", tp_size=2)
     assert base.digest() == ModelIdentity(model="m", kv_cache_dtype="bfloat16", tp_size=2).digest()
-    for change in [dict(kv_cache_dtype="float16"), dict(tp_size=4), dict(model="n"), dict(quantization="gptq"),
-                   dict(weights="rev:x"), dict(page_size=32), dict(mem_layout="page_first_direct")]:
+    for change in [
+        dict(kv_cache_dtype="float16"),
+        dict(tp_size=4),
+        dict(model="n"),
+        dict(quantization="gptq"),
+        dict(weights="rev:x"),
+        dict(page_size=32),
+        dict(mem_layout="page_first_direct"),
+    ]:
         assert ModelIdentity(**{**base.as_dict(), **change}).digest() != base.digest(), change
     a = PoolLayout("kv", "page_first", 64, (("bfloat16", (2, 64, 8, 4, 128)),), 1 << 20)
     b = PoolLayout("kv", "page_first", 64, (("float16", (2, 64, 8, 4, 128)),), 1 << 20)
@@ -85,7 +100,13 @@ def test_identity_for_storage_config_and_server_args(tmp_path):
 
     class SA:
         model_path, revision, quantization, dtype = str(tmp_path), None, "gptq", "float16"
-        kv_cache_dtype, mamba_ssm_dtype, load_format, page_size, hicache_mem_layout = "auto", "float32", "auto", 64, "page_first"
+        kv_cache_dtype, mamba_ssm_dtype, load_format, page_size, hicache_mem_layout = (
+            "auto",
+            "float32",
+            "auto",
+            64,
+            "page_first",
+        )
 
     m, s = identity_for(Cfg(), SA())
     assert (m.model, m.quantization, m.dtype, m.page_size, m.tp_size) == ("org/m", "gptq", "float16", 64, 2)
@@ -105,12 +126,23 @@ def test_parse_size():
 
 
 def test_settings_precedence(tmp_path):
-    env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "/up", "SGLANG_L3_STORE_DIR": "/ours",
-           "SGLANG_L3_STORE_MAX_BYTES": "10Gi", "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "1G",
-           "SGLANG_L3_STORE_DURABILITY": "batch", "SGLANG_L3_STORE_ODIRECT": "0",
-           "SGLANG_L3_STORE_MIN_FREE_BYTES": "1G"}
+    env = {
+        "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "/up",
+        "SGLANG_L3_STORE_DIR": "/ours",
+        "SGLANG_L3_STORE_MAX_BYTES": "10Gi",
+        "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "1G",
+        "SGLANG_L3_STORE_DURABILITY": "batch",
+        "SGLANG_L3_STORE_ODIRECT": "0",
+        "SGLANG_L3_STORE_MIN_FREE_BYTES": "1G",
+    }
     s = StoreSettings.resolve({}, env=env)
-    assert (str(s.root), s.max_bytes, s.durability, s.odirect, s.min_free) == ("/ours", 10 * 2**30, "batch", "off", "1G")
+    assert (str(s.root), s.max_bytes, s.durability, s.odirect, s.min_free) == (
+        "/ours",
+        10 * 2**30,
+        "batch",
+        "off",
+        "1G",
+    )
     s = StoreSettings.resolve({"store_dir": "/x", "max_bytes": "2G", "durability": "none", "odirect": True}, env=env)
     assert (str(s.root), s.max_bytes, s.durability, s.odirect) == ("/x", 2 * 10**9, "none", "on")
     up = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "/up", "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "1G"}

@@ -124,10 +124,7 @@ def test_block_checksums_are_those_of_whole_blocks(tmp_path):
     h = decode_header(raw[: header_len_for(PAGE)], len(raw))
     payload = raw[header_len_for(PAGE) :]
     assert payload == datas[0]
-    assert list(h.sums) == [
-        xxhash.xxh3_64_intdigest(payload[i : i + BLOCK_BYTES])
-        for i in range(0, PAGE, BLOCK_BYTES)
-    ]
+    assert list(h.sums) == [xxhash.xxh3_64_intdigest(payload[i : i + BLOCK_BYTES]) for i in range(0, PAGE, BLOCK_BYTES)]
     st.close()
 
 
@@ -175,7 +172,5 @@ def test_an_error_in_one_block_fails_only_its_page(tmp_path, monkeypatch):
     assert ok == [True, False, True]
     assert bytes(bufs[0]) == datas[0] and bytes(bufs[2]) == datas[2]
     assert st.counters.get("read_errors") == 1
-    assert os.path.exists(st.path_of(keys[1], spec)), (
-        "an IO error is not corruption: the page stays"
-    )
+    assert os.path.exists(st.path_of(keys[1], spec)), "an IO error is not corruption: the page stays"
     st.close()

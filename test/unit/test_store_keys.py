@@ -55,22 +55,9 @@ def test_validators_refuse(key):
 
 
 def test_validators_accept():
-    assert (
-        valid_key("a" * 128)
-        and valid_key("abc_DEF-123")
-        and valid_pool("kv")
-        and valid_pool("mamba")
-    )
-    assert (
-        valid_mid("0123456789ab")
-        and not valid_mid("0123456789ab\n")
-        and not valid_mid("0123456789AB")
-    )
-    assert (
-        valid_model_arg("org/model-a")
-        and valid_model_arg("/models/Qwen3-Next-80B")
-        and valid_model_arg("08616d")
-    )
+    assert valid_key("a" * 128) and valid_key("abc_DEF-123") and valid_pool("kv") and valid_pool("mamba")
+    assert valid_mid("0123456789ab") and not valid_mid("0123456789ab\n") and not valid_mid("0123456789AB")
+    assert valid_model_arg("org/model-a") and valid_model_arg("/models/Qwen3-Next-80B") and valid_model_arg("08616d")
     for bad in ("x\n", "", "/", "a/../b", "..", "a b", "é", "a\0b"):
         assert not valid_model_arg(bad), bad
     assert valid_identity_override("") and valid_identity_override("ft-2026.1")
@@ -83,9 +70,7 @@ def test_identity_override_refused_at_settings(tmp_path):
 
 
 def _idx(pages, page_size, start_page=0):
-    return torch.arange(
-        start_page * page_size, (start_page + pages) * page_size, dtype=torch.int64
-    )
+    return torch.arange(start_page * page_size, (start_page + pages) * page_size, dtype=torch.int64)
 
 
 def _entry_points(st, kv, key):
@@ -102,9 +87,7 @@ def _entry_points(st, kv, key):
         "set": lambda: st.set(key, page),
         "batch_set": lambda: st.batch_set([key], [page]),
         "get": lambda: st.get(key, kv.get_dummy_flat_data_page()) is not None,
-        "batch_get": lambda: (
-            st.batch_get([key], [kv.get_dummy_flat_data_page()])[0] is not None
-        ),
+        "batch_get": lambda: st.batch_get([key], [kv.get_dummy_flat_data_page()])[0] is not None,
         "exists": lambda: st.exists(key),
         "batch_exists": lambda: st.batch_exists([key]) > 0,
         "batch_set_v1": lambda: st.batch_set_v1([key], _idx(1, ps))[0],
@@ -113,9 +96,7 @@ def _entry_points(st, kv, key):
             any(v)
             for v in st.batch_set_v2(
                 [
-                    PoolTransfer(
-                        name=PoolName.KV, host_indices=_idx(1, ps), keys=[key]
-                    ),
+                    PoolTransfer(name=PoolName.KV, host_indices=_idx(1, ps), keys=[key]),
                     mamba,
                 ]
             ).values()
@@ -124,9 +105,7 @@ def _entry_points(st, kv, key):
             any(v)
             for v in st.batch_get_v2(
                 [
-                    PoolTransfer(
-                        name=PoolName.KV, host_indices=_idx(1, ps, 1), keys=[key]
-                    ),
+                    PoolTransfer(name=PoolName.KV, host_indices=_idx(1, ps, 1), keys=[key]),
                     mamba,
                 ]
             ).values()
@@ -143,9 +122,7 @@ def test_every_entry_point_refuses_every_bad_key(tmp_path):
     good = keys(1)[0]
     # The table works: a good key goes through every entry point.
     assert all(f() for name, f in _entry_points(st, kv, good).items() if "set" in name)
-    assert all(
-        f() for name, f in _entry_points(st, kv, good).items() if "set" not in name
-    )
+    assert all(f() for name, f in _entry_points(st, kv, good).items() if "set" not in name)
     before = sorted(os.listdir(tmp_path / "pages"))
     refused = 0
     for key in BAD_KEYS:

@@ -25,9 +25,7 @@ def _open(root, model="m"):
         Shard(),
         sweep_strays=False,
     )
-    return st, st.pool_spec(
-        PoolLayout("kv", "raw", 1, (("uint8", (PAYLOAD,)),), PAYLOAD)
-    )
+    return st, st.pool_spec(PoolLayout("kv", "raw", 1, (("uint8", (PAYLOAD,)),), PAYLOAD))
 
 
 def _key(s="page"):
@@ -42,21 +40,15 @@ def _make_target(kind, tmp_path, key):
     """Something outside the store for a link to point at; returns its path."""
     out = tmp_path / "outside"
     out.mkdir()
-    if (
-        kind == "forged"
-    ):  # a well-formed page of the same model and key, from another store
+    if kind == "forged":  # a well-formed page of the same model and key, from another store
         other, spec = _open(tmp_path / "other")
-        assert other.write([WriteItem(key, spec, [memoryview(_data(b"FORGED"))])]) == [
-            True
-        ]
+        assert other.write([WriteItem(key, spec, [memoryview(_data(b"FORGED"))])]) == [True]
         other.close()
         return other.path_of(key, spec)
     if kind == "garbage":
         p = out / "garbage"
         _, spec = _open(tmp_path / "probe")
-        p.write_bytes(
-            os.urandom(spec.file_len)
-        )  # the right size: only the link check stops it
+        p.write_bytes(os.urandom(spec.file_len))  # the right size: only the link check stops it
         return str(p)
     if kind == "directory":
         (out / "dir").mkdir()
@@ -128,9 +120,7 @@ def test_special_file_at_page_name_is_damage(tmp_path, kind):
         if probe == "exists":
             assert st.exists([(key, spec)]) == [False]
         else:  # a FIFO must not hang the reader
-            assert st.read([ReadItem(key, spec, [memoryview(bytearray(PAYLOAD))])]) == [
-                False
-            ]
+            assert st.read([ReadItem(key, spec, [memoryview(bytearray(PAYLOAD))])]) == [False]
         assert not os.path.lexists(name)
     reason = "directory" if kind == "directory" else "special"
     assert len(_quarantined(root, reason)) == 2
@@ -227,13 +217,8 @@ def test_helpers_for_tables_added_later(tmp_path):
     (root / "sessions" / "m.json").unlink()
     os.symlink(victim, root / "sessions" / "m.json")
     assert read_store_file(root, "sessions", "m.json") is None  # a link is not read
-    replace_store_file(
-        root, "sessions", "m.json", b"[]"
-    )  # ... and is replaced, not written through
-    assert (
-        victim.read_bytes() == b"keep"
-        and read_store_file(root, "sessions", "m.json") == b"[]"
-    )
+    replace_store_file(root, "sessions", "m.json", b"[]")  # ... and is replaced, not written through
+    assert victim.read_bytes() == b"keep" and read_store_file(root, "sessions", "m.json") == b"[]"
     os.chmod(root / "sessions", 0o777)
     with pytest.raises(UnsafeStoreError, match="sessions"):
         read_store_file(root, "sessions", "m.json")
@@ -251,8 +236,5 @@ def test_link_at_the_writer_lock_name_is_replaced(tmp_path):
     lock.unlink()  # left by the closed store; plant a link in its place
     os.symlink(victim, lock)
     st, _ = _open(root)
-    assert (
-        not os.path.islink(root / "locks" / f"{os.getpid()}.lock")
-        and victim.read_bytes() == b"keep"
-    )
+    assert not os.path.islink(root / "locks" / f"{os.getpid()}.lock") and victim.read_bytes() == b"keep"
     st.close()

@@ -18,8 +18,8 @@ def _create(tmp_path):
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     return StorageBackendFactory.create_backend(
-        "file", storage_config(extra={"store_dir": str(tmp_path / "s"), "file_storage_path": str(tmp_path / "u")}),
-        None)
+        "file", storage_config(extra={"store_dir": str(tmp_path / "s"), "file_storage_path": str(tmp_path / "u")}), None
+    )
 
 
 @pytest.fixture

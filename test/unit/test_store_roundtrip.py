@@ -9,11 +9,22 @@ import pytest
 import torch
 
 from test_store_support import (
-    fill_random, keys, make_kv_pool, make_mamba_pool, make_store, page_bytes, page_files, zero,
+    fill_random,
+    keys,
+    make_kv_pool,
+    make_mamba_pool,
+    make_store,
+    page_bytes,
+    page_files,
+    zero,
 )
 
 from sglang.srt.mem_cache.hicache_storage import (
-    HiCacheStorage, HiCacheStorageExtraInfo, PoolHitPolicy, PoolName, PoolTransfer,
+    HiCacheStorage,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
 )
 from sglang_l3.storage.format import decode_header, header_len_for
 
@@ -61,24 +72,38 @@ def test_kv_and_mamba_v2_round_trip(tmp_path):
     ps, ks = kv.page_size, keys(4)
     kv_want = [page_bytes(kv, i * ps) for i in range(4)]
     mb_want = page_bytes(mb, 5)
-    res = st.batch_set_v2([
-        PoolTransfer(name=PoolName.KV, host_indices=_idx(4, ps), keys=ks),
-        PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([5]), keys=[ks[-1]],
-                     hit_policy=PoolHitPolicy.TRAILING_PAGES),
-    ], HiCacheStorageExtraInfo(prefix_keys=[]))
+    res = st.batch_set_v2(
+        [
+            PoolTransfer(name=PoolName.KV, host_indices=_idx(4, ps), keys=ks),
+            PoolTransfer(
+                name=PoolName.MAMBA,
+                host_indices=torch.tensor([5]),
+                keys=[ks[-1]],
+                hit_policy=PoolHitPolicy.TRAILING_PAGES,
+            ),
+        ],
+        HiCacheStorageExtraInfo(prefix_keys=[]),
+    )
     assert res[PoolName.KV] == [True] * 4 and res[PoolName.MAMBA] == [True]
     zero(kv)
     zero(mb)
-    res = st.batch_get_v2([
-        PoolTransfer(name=PoolName.KV, host_indices=_idx(4, ps, 3), keys=ks),
-        PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([1]), keys=[ks[-1]],
-                     hit_policy=PoolHitPolicy.TRAILING_PAGES),
-    ])
+    res = st.batch_get_v2(
+        [
+            PoolTransfer(name=PoolName.KV, host_indices=_idx(4, ps, 3), keys=ks),
+            PoolTransfer(
+                name=PoolName.MAMBA,
+                host_indices=torch.tensor([1]),
+                keys=[ks[-1]],
+                hit_policy=PoolHitPolicy.TRAILING_PAGES,
+            ),
+        ]
+    )
     assert res[PoolName.KV] == [True] * 4 and res[PoolName.MAMBA] == [True]
     assert [page_bytes(kv, (3 + i) * ps) for i in range(4)] == kv_want
     assert page_bytes(mb, 1) == mb_want
     # Chain link recorded from prefix_keys (for restorable coverage).
     from sglang_l3.storage.index import scan
+
     ents = {(e.name.key, e.name.pool): e for e in scan(str(tmp_path), headers=True).pages}
     assert ents[(ks[0], "kv")].prior == "" and ents[(ks[0], "kv")].depth == 0
     assert ents[(ks[2], "kv")].prior == ks[1] and ents[(ks[2], "kv")].depth == 2
@@ -94,8 +119,16 @@ def test_batch_exists_v2_policies(tmp_path):
     st.batch_set_v1(ks, _idx(6, ps))
     # Mamba states at pages 2 and 4 (1-based prefix lengths), like chunk checkpoints.
     for p in (2, 4):
-        st.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([p]), keys=[ks[p - 1]],
-                                      hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+        st.batch_set_v2(
+            [
+                PoolTransfer(
+                    name=PoolName.MAMBA,
+                    host_indices=torch.tensor([p]),
+                    keys=[ks[p - 1]],
+                    hit_policy=PoolHitPolicy.TRAILING_PAGES,
+                )
+            ]
+        )
     trailing = PoolTransfer(name=PoolName.MAMBA, keys=[ks[-1]], hit_policy=PoolHitPolicy.TRAILING_PAGES)
     r = st.batch_exists_v2(ks, [trailing])
     assert r.kv_hit_pages == 4 and r.restorable_prefix_pages == [2, 4]
@@ -143,21 +176,33 @@ def test_tp2_ranks_share_one_directory(tmp_path):
     want = [[page_bytes(kvs[r], i * 4) for i in range(3)] for r in range(2)]
     mwant = [page_bytes(mbs[r], 0) for r in range(2)]
     for r in range(2):
-        assert sts[r].batch_set_v2([
-            PoolTransfer(name=PoolName.KV, host_indices=_idx(3, 4), keys=ks),
-            PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0]), keys=[ks[-1]],
-                         hit_policy=PoolHitPolicy.TRAILING_PAGES),
-        ])[PoolName.MAMBA] == [True]
+        assert sts[r].batch_set_v2(
+            [
+                PoolTransfer(name=PoolName.KV, host_indices=_idx(3, 4), keys=ks),
+                PoolTransfer(
+                    name=PoolName.MAMBA,
+                    host_indices=torch.tensor([0]),
+                    keys=[ks[-1]],
+                    hit_policy=PoolHitPolicy.TRAILING_PAGES,
+                ),
+            ]
+        )[PoolName.MAMBA] == [True]
     files = page_files(tmp_path)
     assert len(files) == 8 and sum("r0of2" in f for f in files) == 4 and sum("r1of2" in f for f in files) == 4
     for r in range(2):
         zero(kvs[r])
         zero(mbs[r])
-        res = sts[r].batch_get_v2([
-            PoolTransfer(name=PoolName.KV, host_indices=_idx(3, 4, 5), keys=ks),
-            PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([3]), keys=[ks[-1]],
-                         hit_policy=PoolHitPolicy.TRAILING_PAGES),
-        ])
+        res = sts[r].batch_get_v2(
+            [
+                PoolTransfer(name=PoolName.KV, host_indices=_idx(3, 4, 5), keys=ks),
+                PoolTransfer(
+                    name=PoolName.MAMBA,
+                    host_indices=torch.tensor([3]),
+                    keys=[ks[-1]],
+                    hit_policy=PoolHitPolicy.TRAILING_PAGES,
+                ),
+            ]
+        )
         assert res[PoolName.KV] == [True] * 3 and res[PoolName.MAMBA] == [True]
         assert [page_bytes(kvs[r], (5 + i) * 4) for i in range(3)] == want[r]
         assert page_bytes(mbs[r], 3) == mwant[r]

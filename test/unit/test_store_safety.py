@@ -15,8 +15,7 @@ from sglang_l3.storage.store import PageStore
 
 
 def _open(root):
-    return PageStore(StoreSettings(root=root, min_free="0"), ModelIdentity(model="m"), Shard(),
-                     sweep_strays=False)
+    return PageStore(StoreSettings(root=root, min_free="0"), ModelIdentity(model="m"), Shard(), sweep_strays=False)
 
 
 def test_created_private_even_with_permissive_umask(tmp_path):

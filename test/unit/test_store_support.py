@@ -11,8 +11,16 @@ from typing import Any, Optional
 import torch
 
 
-def make_kv_pool(layout: str = "page_first", *, dtype=torch.bfloat16, layers: int = 2, heads: int = 2,
-                 head_dim: int = 8, page_size: int = 4, tokens: int = 64):
+def make_kv_pool(
+    layout: str = "page_first",
+    *,
+    dtype=torch.bfloat16,
+    layers: int = 2,
+    heads: int = 2,
+    head_dim: int = 8,
+    page_size: int = 4,
+    tokens: int = 64,
+):
     """A real MHATokenToKVPoolHost over CPU 'device' buffers (no pinning)."""
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -21,20 +29,43 @@ def make_kv_pool(layout: str = "page_first", *, dtype=torch.bfloat16, layers: in
     v = [torch.zeros(tokens + page_size, heads, head_dim, dtype=dtype) for _ in range(layers)]
     info = MHABufferInfo(
         buffers=KVBuffers(
-            k=tuple(k), v=tuple(v),
+            k=tuple(k),
+            v=tuple(v),
             k_data_ptrs=torch.tensor([x.data_ptr() for x in k], dtype=torch.uint64),
             v_data_ptrs=torch.tensor([x.data_ptr() for x in v], dtype=torch.uint64),
             layout=KVBufferLayout.NHD,
         ),
-        page_size=page_size, head_num=heads, head_dim=head_dim, v_head_dim=head_dim,
-        dtype=dtype, device=torch.device("cpu"),
+        page_size=page_size,
+        head_num=heads,
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        dtype=dtype,
+        device=torch.device("cpu"),
     )
-    return MHATokenToKVPoolHost(info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=tokens, start_layer=0, end_layer=layers)
+    return MHATokenToKVPoolHost(
+        info,
+        2.0,
+        0,
+        page_size,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=tokens,
+        start_layer=0,
+        end_layer=layers,
+    )
 
 
-def make_mamba_pool(*, layers: int = 3, slots: int = 8, ssm_dtype=torch.float32, conv_dtype=torch.bfloat16,
-                    temporal_shape=(2, 4, 4), conv_shapes=((6, 3),), layout: str = "page_first"):
+def make_mamba_pool(
+    *,
+    layers: int = 3,
+    slots: int = 8,
+    ssm_dtype=torch.float32,
+    conv_dtype=torch.bfloat16,
+    temporal_shape=(2, 4, 4),
+    conv_shapes=((6, 3),),
+    layout: str = "page_first",
+):
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
@@ -68,14 +99,23 @@ def page_bytes(pool: Any, index: int) -> bytes:
     return pool.get_data_page(index, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def storage_config(*, tp_rank: int = 0, tp_size: int = 1, model: str = "test/model",
-                   extra: Optional[dict] = None, is_mla: bool = False):
+def storage_config(
+    *, tp_rank: int = 0, tp_size: int = 1, model: str = "test/model", extra: Optional[dict] = None, is_mla: bool = False
+):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=is_mla, enable_storage_metrics=False, is_page_first_layout=True,
-        model_name=model, extra_config=dict(extra or {}),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=is_mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name=model,
+        extra_config=dict(extra or {}),
     )
 
 

@@ -44,9 +44,7 @@ def _worker(rank: int, init: str, scenario: str, q: mp.Queue) -> None:
         ta._PENDING.append(ta.Decision("r1", 384, 384))
         ta.check_decisions(group)  # the same decision on both ranks
         if scenario == "disagree":
-            ta._PENDING.append(
-                ta.Decision("r2", 384 if rank == 0 else -1, 384 if rank == 0 else 0)
-            )
+            ta._PENDING.append(ta.Decision("r2", 384 if rank == 0 else -1, 384 if rank == 0 else 0))
         elif scenario == "one-sided" and rank == 1:
             ta._PENDING.append(ta.Decision("r2", 256, 256))
         try:
@@ -81,9 +79,7 @@ def _run(scenario: str, tmp_path) -> dict[int, dict]:
 
 
 @pytest.mark.parametrize("scenario", ["agree", "disagree", "one-sided"])
-def test_verify_gathers_decisions_and_stops_on_difference(
-    scenario: str, tmp_path
-) -> None:
+def test_verify_gathers_decisions_and_stops_on_difference(scenario: str, tmp_path) -> None:
     out = _run(scenario, tmp_path)
     for rank in (0, 1):
         assert out[rank]["min"] is False and out[rank]["max"] is True
@@ -96,12 +92,6 @@ def test_verify_gathers_decisions_and_stops_on_difference(
         assert msg is not None and "TP ranks made different L3 restore decisions" in msg
         assert "TP rank 0: [" in msg and "TP rank 1: [" in msg, msg
     if scenario == "disagree":
-        assert (
-            "req=r2 restored=384" in out[0]["raised"]
-            and "req=r2 restored=-1" in out[0]["raised"]
-        )
+        assert "req=r2 restored=384" in out[0]["raised"] and "req=r2 restored=-1" in out[0]["raised"]
     else:
-        assert (
-            "TP rank 0: []" in out[0]["raised"]
-            and "req=r2 restored=256" in out[0]["raised"]
-        )
+        assert "TP rank 0: []" in out[0]["raised"] and "req=r2 restored=256" in out[0]["raised"]

@@ -69,19 +69,13 @@ def _page_first_direct(
                 dev_t = dev[j + half * num_layers]
                 if layer_first_to_page_first:
                     host_page = host[half].select(0, d // page_size)
-                    host_page.select(0, start_layer_id + j).narrow(0, 0, page_size).copy_(
-                        dev_t.narrow(0, s, page_size)
-                    )
+                    host_page.select(0, start_layer_id + j).narrow(0, 0, page_size).copy_(dev_t.narrow(0, s, page_size))
                 else:
                     host_page = host[half].select(0, s // page_size)
-                    dev_t.narrow(0, d, page_size).copy_(
-                        host_page.select(0, start_layer_id + j).narrow(0, 0, page_size)
-                    )
+                    dev_t.narrow(0, d, page_size).copy_(host_page.select(0, start_layer_id + j).narrow(0, 0, page_size))
 
 
-def transfer_kv_per_layer_direct_pf_lf(
-    src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size
-) -> None:
+def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size) -> None:
     _page_first_direct(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size, False)
 
 

@@ -108,9 +108,7 @@ def causal_conv1d_update(
     place at conv_state_indices (row b itself when None). Same shape out as x."""
     for unsupported in ("num_accept_tokens", "intermediate_conv_window", "retrieve_parent_token"):
         if kwargs.get(unsupported) is not None:
-            raise NotImplementedError(
-                f"sglang-l3 CPU conv1d: {unsupported} (speculative decoding) is not ported"
-            )
+            raise NotImplementedError(f"sglang-l3 CPU conv1d: {unsupported} (speculative decoding) is not ported")
     if cache_seqlens is not None:
         raise NotImplementedError("sglang-l3 CPU conv1d: circular conv state is not ported")
     squeeze = x.dim() == 2

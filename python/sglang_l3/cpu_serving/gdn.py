@@ -49,9 +49,7 @@ def gdn_gating(
     stored in the fp32 output.
     """
     x = a.float() + dt_bias.float()
-    softplus = torch.where(
-        beta * x <= threshold, (1.0 / beta) * torch.log1p(torch.exp(beta * x)), x
-    )
+    softplus = torch.where(beta * x <= threshold, (1.0 / beta) * torch.log1p(torch.exp(beta * x)), x)
     g = -torch.exp(A_log.float()) * softplus
     beta_out = torch.sigmoid(b.float()).to(b.dtype).float()
     return g.unsqueeze(0), beta_out.unsqueeze(0)
@@ -117,18 +115,14 @@ def _chunked_sequence(
         eye = eye_cache.get(L)
         if eye is None:
             eye = eye_cache[L] = torch.eye(L, dtype=torch.float32)
-        Tinv = torch.linalg.solve_triangular(
-            A + eye, eye.expand_as(A), upper=False, unitriangular=True
-        )
+        Tinv = torch.linalg.solve_triangular(A + eye, eye.expand_as(A), upper=False, unitriangular=True)
         w = Tinv @ (vc * bc[..., None])  # [HV, L, V]
         u = Tinv @ (kb * G.exp()[..., None])  # [HV, L, K]
         v_new = w - u @ M  # [HV, L, V]
         attn = (qc @ kc.transpose(-1, -2)) * decay  # lower incl. diagonal
         out[:, c0:c1] = (qc * G.exp()[..., None]) @ M + attn @ v_new
         g_last = G[:, -1]
-        M = M * g_last.exp()[:, None, None] + (
-            kc * (g_last[:, None] - G).exp()[..., None]
-        ).transpose(-1, -2) @ v_new
+        M = M * g_last.exp()[:, None, None] + (kc * (g_last[:, None] - G).exp()[..., None]).transpose(-1, -2) @ v_new
     return out.transpose(0, 1), M.transpose(-1, -2)
 
 
@@ -173,8 +167,14 @@ def chunk_gated_delta_rule(
             continue
         qi, ki = _prepare_qk(q[0, s:e], k[0, s:e], HV, scale, use_qk_l2norm_in_kernel)
         oi, final = _chunked_sequence(
-            qi, ki, v[0, s:e].float(), g[0, s:e].float(), beta[0, s:e].float(),
-            initial_state[slot].float(), hs, chunk_size,
+            qi,
+            ki,
+            v[0, s:e].float(),
+            g[0, s:e].float(),
+            beta[0, s:e].float(),
+            initial_state[slot].float(),
+            hs,
+            chunk_size,
         )
         o[0, s:e] = oi.to(o.dtype)
         if inplace_update:
@@ -271,7 +271,11 @@ def sigmoid_gating_delta_rule_update(
         raise NotImplementedError("sglang-l3 CPU GDN: speculative verify is not ported")
     g, beta = gdn_gating(A_log, a, b, dt_bias, softplus_beta, softplus_threshold)
     return recurrent_gated_delta_rule(
-        q, k, v, g, beta,
+        q,
+        k,
+        v,
+        g,
+        beta,
         initial_state=initial_state_source,
         initial_state_indices=initial_state_indices,
         cu_seqlens=cu_seqlens,
@@ -299,22 +303,35 @@ def make_kernel_class():
         uses_state_checkpoints = False
         supports_track_state_snapshot = False  # the backend reads `h` instead
 
-        def decode(self, q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices,
-                   query_start_loc, **kwargs):
+        def decode(self, q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc, **kwargs):
             return sigmoid_gating_delta_rule_update(
-                A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b,
-                initial_state_source=ssm_states, initial_state_indices=cache_indices,
+                A_log=A_log,
+                dt_bias=dt_bias,
+                q=q,
+                k=k,
+                v=v,
+                a=a,
+                b=b,
+                initial_state_source=ssm_states,
+                initial_state_indices=cache_indices,
                 cu_seqlens=query_start_loc,
             )
 
-        def extend(self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc,
-                   inplace_update=True, **kwargs):
+        def extend(
+            self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, inplace_update=True, **kwargs
+        ):
             if kwargs.get("track_state") is not None:
                 raise NotImplementedError("sglang-l3 CPU GDN: no in-kernel track snapshot")
             return chunk_gated_delta_rule(
-                q, k, v, g, beta,
-                initial_state=ssm_states, initial_state_indices=cache_indices,
-                cu_seqlens=query_start_loc, inplace_update=inplace_update,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=ssm_states,
+                initial_state_indices=cache_indices,
+                cu_seqlens=query_start_loc,
+                inplace_update=inplace_update,
             )
 
         def target_verify(self, *args, **kwargs):

@@ -68,25 +68,33 @@ def _track_rows(cache_indices, mamba_track_mask, mamba_track_indices, batch_size
 
 
 def track_mamba_states_if_needed(
-    conv_states, ssm_states, cache_indices, mamba_track_mask, mamba_track_indices,
-    batch_size, check_freed_slots=False,
+    conv_states,
+    ssm_states,
+    cache_indices,
+    mamba_track_mask,
+    mamba_track_indices,
+    batch_size,
+    check_freed_slots=False,
 ):
     """Port of `mamba_state_scatter_triton.track_mamba_states_if_needed`: copy
     the conv and SSM state of each masked row's slot into its track slot (one layer)."""
-    src, dst = _track_rows(cache_indices, mamba_track_mask, mamba_track_indices,
-                           batch_size, check_freed_slots)
+    src, dst = _track_rows(cache_indices, mamba_track_mask, mamba_track_indices, batch_size, check_freed_slots)
     if src.numel():
         conv_states[dst] = conv_states[src]
         ssm_states[dst] = ssm_states[src]
 
 
 def track_mamba_states_all_layers(
-    conv_states_pool, ssm_states_pool, cache_indices, mamba_track_mask, mamba_track_indices,
-    batch_size, check_freed_slots=False,
+    conv_states_pool,
+    ssm_states_pool,
+    cache_indices,
+    mamba_track_mask,
+    mamba_track_indices,
+    batch_size,
+    check_freed_slots=False,
 ):
     """Port of `track_mamba_states_all_layers`: pools are [layers, slots, ...]."""
-    src, dst = _track_rows(cache_indices, mamba_track_mask, mamba_track_indices,
-                           batch_size, check_freed_slots)
+    src, dst = _track_rows(cache_indices, mamba_track_mask, mamba_track_indices, batch_size, check_freed_slots)
     if src.numel():
         conv_states_pool[:, dst] = conv_states_pool[:, src]
         ssm_states_pool[:, dst] = ssm_states_pool[:, src]

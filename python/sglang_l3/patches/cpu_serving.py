@@ -66,8 +66,7 @@ def _qwen3next_ops(ctx: PatchContext) -> None:
 
     ctx.replace(f"{_QWEN3_NEXT}:fused_qkvzba_split_reshape_cat", ops.fused_qkvzba_split_reshape_cat)
 
-    def fused_rms_norm_gated_forward(self, x, g, residual=None, prenorm=False,
-                                     residual_in_fp32=False):
+    def fused_rms_norm_gated_forward(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
         if residual is not None or prenorm:
             raise NotImplementedError("sglang-l3 CPU FusedRMSNormGated: residual/prenorm")
         return ops.rms_norm_gated(x, g, self.weight, self.bias, self.activation, self.eps)
@@ -99,8 +98,7 @@ def _moe_gate(ctx: PatchContext) -> None:
     from sglang_l3.cpu_serving import ops
 
     ctx.replace("sglang.srt.models.qwen2_moe:fused_gate_sigmoid_mul", ops.fused_gate_sigmoid_mul)
-    ctx.replace("sglang.srt.models.qwen2_moe:fused_gate_sigmoid_mul_add",
-                ops.fused_gate_sigmoid_mul_add)
+    ctx.replace("sglang.srt.models.qwen2_moe:fused_gate_sigmoid_mul_add", ops.fused_gate_sigmoid_mul_add)
 
 
 def _device_module(ctx: PatchContext) -> None:

@@ -17,9 +17,7 @@ from sglang_l3.patches.framework import PatchContext
 
 logger = logging.getLogger("sglang_l3.patches.eager_page_hash")
 
-_ATTACH = (
-    "sglang.srt.managers.cache_controller:HiCacheController.attach_storage_backend"
-)
+_ATTACH = "sglang.srt.managers.cache_controller:HiCacheController.attach_storage_backend"
 
 
 def _load(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:

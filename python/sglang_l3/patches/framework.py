@@ -129,9 +129,7 @@ def load_series(path: Path = SERIES_PATH) -> list[PatchSpec]:
         for key in ("why", "retire_when", "module"):
             if not entry.get(key):
                 raise PatchError(f"series.toml: patch {pid!r} lacks {key!r}")
-        targets = tuple(
-            TargetSpec(t["path"], t["fingerprint"]) for t in entry.get("target", [])
-        )
+        targets = tuple(TargetSpec(t["path"], t["fingerprint"]) for t in entry.get("target", []))
         if not targets:
             raise PatchError(f"series.toml: patch {pid!r} names no target")
         specs.append(
@@ -243,9 +241,7 @@ class PatchContext:
 
     def _check_target(self, path: str) -> tuple[Any, str, Any]:
         if path not in self._allowed:
-            raise PatchError(
-                f"patch {self.id!r} hooks {path!r}, which series.toml does not declare"
-            )
+            raise PatchError(f"patch {self.id!r} hooks {path!r}, which series.toml does not declare")
         owner, attr = _split_owner(path)
         raw = inspect.getattr_static(owner, attr)
         return owner, attr, raw
@@ -406,9 +402,7 @@ def apply_one(spec: PatchSpec, series: Optional[list[PatchSpec]] = None) -> Patc
         status.drift = drift
         if drift and not allow_drift():
             status.state = State.DRIFTED
-            status.detail = "; ".join(
-                f"{p}: expected {e}, found {a}" for p, (e, a) in drift.items()
-            )
+            status.detail = "; ".join(f"{p}: expected {e}, found {a}" for p, (e, a) in drift.items())
             raise PatchError(
                 f"patch {spec.id!r} refused: upstream drifted ({status.detail}). "
                 "Re-verify the patch against this upstream and update series.toml, "
@@ -465,9 +459,7 @@ def undo(patch_id: str) -> None:
             return
         ids = list(_CONTEXTS)
         mine = _targets_of(ctx)
-        stacked = [
-            pid for pid in ids[ids.index(patch_id) + 1 :] if _targets_of(_CONTEXTS[pid]) & mine
-        ]
+        stacked = [pid for pid in ids[ids.index(patch_id) + 1 :] if _targets_of(_CONTEXTS[pid]) & mine]
         specs = [_STATUS[pid].spec for pid in stacked]
         for pid in reversed(stacked):
             _CONTEXTS.pop(pid).undo()

@@ -44,7 +44,8 @@ def apply(ctx: PatchContext) -> None:
     if "gptq" in registry:
         raise PatchError(
             f"anchor changed: upstream now registers 'gptq' on this platform "
-            f"({registry['gptq'].__name__}); re-verify whether gptq-rocm is still needed")
+            f"({registry['gptq'].__name__}); re-verify whether gptq-rocm is still needed"
+        )
     registry["gptq"] = RocmGPTQConfig
     ctx.on_undo(lambda: registry.pop("gptq", None))
     ctx.fired("register_gptq")
@@ -55,8 +56,12 @@ def apply(ctx: PatchContext) -> None:
         try:
             return original(self, *args, **kwargs)
         except ValueError as e:
-            if (str(e) == ROCM_REJECT and self.quantization == "gptq" and _on_hip()
-                    and registry.get("gptq") is RocmGPTQConfig):
+            if (
+                str(e) == ROCM_REJECT
+                and self.quantization == "gptq"
+                and _on_hip()
+                and registry.get("gptq") is RocmGPTQConfig
+            ):
                 ctx.fired("rocm_allowlist_gptq")
                 logger.info("sglang-l3: gptq accepted on ROCm (kernels: sglang_l3.quant)")
                 return None

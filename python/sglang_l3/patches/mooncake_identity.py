@@ -70,9 +70,7 @@ def identity_prefix(store: Any) -> str:
     host = getattr(store, "mem_pool_host", None)
     if host is not None and getattr(host, "kv_buffer", None) is not None:
         pools.append("kv:" + _pool_digest(host, "kv"))
-    for name, pool in sorted(
-        getattr(store, "registered_pools", {}).items(), key=lambda kv: str(kv[0])
-    ):
+    for name, pool in sorted(getattr(store, "registered_pools", {}).items(), key=lambda kv: str(kv[0])):
         key = str(getattr(name, "value", name))
         pools.append(f"{key}:{_pool_digest(pool, key)}")
     layouts = hashlib.sha256("|".join(pools).encode()).hexdigest()[:8]

@@ -60,9 +60,7 @@ def torch_uses_filelock() -> bool:
 
 def apply(ctx: PatchContext) -> None:
     if not torch_uses_filelock():
-        raise RuntimeError(
-            f"anchor not found — torch changed: {ANCHOR!r} not in _jit_compile"
-        )
+        raise RuntimeError(f"anchor not found — torch changed: {ANCHOR!r} not in _jit_compile")
     import sglang.srt.utils.cpp_extension_loader as loader_mod
 
     logger = loader_mod.logger

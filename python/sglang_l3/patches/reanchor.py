@@ -349,8 +349,7 @@ def verify_now(pipe: Any, rec: RestoreRecord) -> None:
     if problems:
         metrics.inc("fail_stops")
         raise ReanchorViolation(
-            f"sglang-l3 verify: restored Mamba state differs for req={rec.rid} node={rec.node}: "
-            + "; ".join(problems)
+            f"sglang-l3 verify: restored Mamba state differs for req={rec.rid} node={rec.node}: " + "; ".join(problems)
         )
 
 

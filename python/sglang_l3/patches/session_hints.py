@@ -68,17 +68,13 @@ def add_routes(app: Any) -> None:
             return JSONResponse({"error": "server is not ready"}, status_code=503)
         if getattr(tm, "gracefully_exit", False):
             metrics.inc("session_hints", "rejected_draining")
-            return JSONResponse(
-                {"error": "server is draining; hint refused"}, status_code=503
-            )
+            return JSONResponse({"error": "server is draining; hint refused"}, status_code=503)
         try:
             body = await request.json()
         except ValueError:
             return JSONResponse({"error": "body is not JSON"}, status_code=400)
         try:
-            ids, sid = BOOK.validate(
-                body, int(tm.model_config.vocab_size), getattr(tm, "context_len", None)
-            )
+            ids, sid = BOOK.validate(body, int(tm.model_config.vocab_size), getattr(tm, "context_len", None))
         except HintError as e:
             metrics.inc("session_hints", f"rejected_{e.status}")
             return JSONResponse({"error": str(e)}, status_code=e.status)
@@ -99,13 +95,7 @@ def add_routes(app: Any) -> None:
 
         tm = _tm()
         root = _store_root(tm) if tm is not None else None
-        rows = (
-            []
-            if root is None
-            else [
-                {k: v for k, v in r.items() if k != "keys"} for r in _rows(root, None)
-            ]
-        )
+        rows = [] if root is None else [{k: v for k, v in r.items() if k != "keys"} for r in _rows(root, None)]
         states: dict[str, int] = {}
         for h in BOOK.hints.values():
             states[h.state] = states.get(h.state, 0) + 1
@@ -133,9 +123,7 @@ def _after_init(result: Any, tm: Any, *args: Any, **kwargs: Any) -> None:
     return
 
 
-def _generate_request(
-    original: Any, tm: Any, obj: Any, request: Any = None, *args: Any, **kwargs: Any
-) -> Any:
+def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *args: Any, **kwargs: Any) -> Any:
     from sglang_l3.session_hints import BOOK, request_ids_and_session
 
     ids, sid, is_hint = request_ids_and_session(obj)

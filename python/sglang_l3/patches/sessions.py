@@ -42,9 +42,7 @@ def registry_of(cache: Any) -> Any:
 
     ctrl = getattr(cache, "cache_controller", None)
     backend = getattr(ctrl, "storage_backend", None)
-    backend = getattr(
-        backend, "_backend", backend
-    )  # test-only failure injector wraps it
+    backend = getattr(backend, "_backend", backend)  # test-only failure injector wraps it
     if isinstance(backend, L3FileStore):
         return backend.store.sessions
     return None
@@ -78,11 +76,7 @@ def _on_release(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) ->
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     sid = session_id_of(req)
-    if (
-        sid is None
-        or not req.finished()
-        or isinstance(req.finished_reason, FINISH_ABORT)
-    ):
+    if sid is None or not req.finished() or isinstance(req.finished_reason, FINISH_ABORT):
         return
     reg = registry_of(cache)
     if reg is None:
@@ -90,9 +84,7 @@ def _on_release(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) ->
     try:
         keys, tokens = context_keys(cache, req)
         prio = getattr(req, "priority", None)
-        reg.on_turn(
-            str(sid), keys, tokens, priority=int(prio) if prio is not None else None
-        )
+        reg.on_turn(str(sid), keys, tokens, priority=int(prio) if prio is not None else None)
     except Exception:  # bookkeeping must never take a request down
         logger.exception("sglang-l3 sessions: cannot record session %s", sid)
     return

@@ -106,9 +106,7 @@ def check_store(extra: Mapping[str, Any], env: Mapping[str, str] | None = None) 
     try:
         settings = StoreSettings.resolve(extra, env)
     except ConfigError as e:
-        raise _fail(
-            f"{_EXTRA_FLAG}: {e}. Fix the value (see docs/operations.md)."
-        ) from e
+        raise _fail(f"{_EXTRA_FLAG}: {e}. Fix the value (see docs/operations.md).") from e
     source = _store_source(extra, env)
     root = Path(settings.root).expanduser().absolute()
     if root.exists() and not root.is_dir():
@@ -135,9 +133,7 @@ def _available_host_bytes() -> int:
     return int(available_host_memory_bytes(allow_cgroup_fallback=True))
 
 
-def check_host_memory(
-    args: Any, *, available: int | None = None, total: int | None = None
-) -> None:
+def check_host_memory(args: Any, *, available: int | None = None, total: int | None = None) -> None:
     """Predict upstream's host-memory refusals before anything loads.
 
     Every HiCache host pool is booked against (available - reserve) per rank
@@ -203,11 +199,7 @@ def check_args(args: Any) -> None:
     if not getattr(args, "enable_hierarchical_cache", False):
         return
     if getattr(args, "hicache_storage_backend", None) == "file":
-        check_store(
-            parse_extra_config(
-                getattr(args, "hicache_storage_backend_extra_config", None)
-            )
-        )
+        check_store(parse_extra_config(getattr(args, "hicache_storage_backend_extra_config", None)))
     check_host_memory(args)
 
 

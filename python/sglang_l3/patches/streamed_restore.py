@@ -86,9 +86,7 @@ class Stream:
     landed_pages: int = 0
     pieces: deque = dataclasses.field(default_factory=deque)
     reason: str = ""
-    f: tuple | None = (
-        None  # (matched_len, num_tokens, hash_values) of the last piece's staged hold
-    )
+    f: tuple | None = None  # (matched_len, num_tokens, hash_values) of the last piece's staged hold
 
     @property
     def r_tokens(self) -> int:
@@ -107,9 +105,7 @@ class Lane:
     def executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    1, thread_name_prefix="l3-stream-read"
-                )
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="l3-stream-read")
             return self._executor
 
     def wait_reads(self) -> None:
@@ -132,9 +128,7 @@ def piece_tokens(pipe: Any) -> int:
 
 
 # --------------------------------------------------------------------------- IO
-def _read_piece(
-    cc: Any, op: Any, keys: list[str], host: torch.Tensor, prefix_keys: list[str] | None
-) -> int:
+def _read_piece(cc: Any, op: Any, keys: list[str], host: torch.Tensor, prefix_keys: list[str] | None) -> int:
     """Store -> host slots (reader thread). Returns the leading pages read."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
@@ -152,9 +146,7 @@ def _read_piece(
                     HiCacheStorageExtraInfo(prefix_keys=prefix),
                 )
             except Exception:
-                logger.exception(
-                    "streamed restore: store read failed (req %s)", op.request_id
-                )
+                logger.exception("streamed restore: store read failed (req %s)", op.request_id)
                 return done
             done += hit
             if hit != len(batch):
@@ -256,9 +248,7 @@ def _launch_reads(pipe: Any, s: Stream) -> None:
             return  # host busy (writes, other staging): retry next tick
         cc.prefetch_tokens_occupied += n * page
         keys = s.keys[s.next_page : s.next_page + n]
-        prefix = (
-            None if s.prefix_keys is None else s.prefix_keys + s.keys[: s.next_page]
-        )
+        prefix = None if s.prefix_keys is None else s.prefix_keys + s.keys[: s.next_page]
         fut = lane_of(pipe).executor().submit(_read_piece, cc, s.op, keys, host, prefix)
         s.pieces.append(_Piece(s.next_page, n, host, fut))
         s.next_page += n
@@ -311,10 +301,7 @@ def _tick(cache: Any) -> None:
         pcs = list(s.pieces)[:MAX_INFLIGHT]
         for i in range(MAX_INFLIGHT):
             if i < len(pcs) and pcs[i].future.done():
-                ok = (
-                    pcs[i].future.exception() is None
-                    and pcs[i].future.result() == pcs[i].pages
-                )
+                ok = pcs[i].future.exception() is None and pcs[i].future.result() == pcs[i].pages
                 flags += [1, int(ok)]
             else:
                 flags += [0, 1]
@@ -325,14 +312,10 @@ def _tick(cache: Any) -> None:
     page = cache.page_size
     for j, s in enumerate(streams):
         info = cache.ongoing_prefetch.get(s.handle)
-        if s.state in ("reading", "ready", "final") and (
-            info is None or info.operation is not s.op
-        ):
+        if s.state in ("reading", "ready", "final") and (info is None or info.operation is not s.op):
             _abort(pipe, s, "aborted")
         for i in range(MAX_INFLIGHT):
-            done, ok = agreed[
-                j * 2 * MAX_INFLIGHT + 2 * i : j * 2 * MAX_INFLIGHT + 2 * i + 2
-            ]
+            done, ok = agreed[j * 2 * MAX_INFLIGHT + 2 * i : j * 2 * MAX_INFLIGHT + 2 * i + 2]
             if not done:
                 break
             pc = s.pieces.popleft()
@@ -360,9 +343,7 @@ def _storage_error(cache: Any, s: Stream, pc: _Piece) -> None:
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     # The hit query vouched for these pages; heal beliefs so the next insert rewrites.
-    cache.storage_existence_cache.pool(PoolName.KV).invalidate_beyond(
-        s.keys, pc.first_page
-    )
+    cache.storage_existence_cache.pool(PoolName.KV).invalidate_beyond(s.keys, pc.first_page)
     _abort(cache.buffer_pipeline, s, "storage_error")
     if cache.ongoing_prefetch.get(s.handle) is not None:
         # Parked op, no host slots of upstream's: the request recomputes.
@@ -371,23 +352,15 @@ def _storage_error(cache: Any, s: Stream, pc: _Piece) -> None:
 
 # ------------------------------------------------------------------------ hooks
 def apply(ctx: PatchContext) -> None:
-    def allocate(
-        orig: Any, self: Any, op: Any, info: Any, hit_tokens: int, aux_hit_tokens: int
-    ) -> bool:
+    def allocate(orig: Any, self: Any, op: Any, info: Any, hit_tokens: int, aux_hit_tokens: int) -> bool:
         lane = lane_of(self)
         s = lane.streams.get(op.handle)
         if s is None:
-            if self._cache.cache_controller.can_fit_prefetch_host_buffers(
-                op, hit_tokens
-            ):
+            if self._cache.cache_controller.can_fit_prefetch_host_buffers(op, hit_tokens):
                 return orig(self, op, info, hit_tokens, aux_hit_tokens)
             if _start(self, op, hit_tokens) is None:
-                return orig(
-                    self, op, info, hit_tokens, aux_hit_tokens
-                )  # upstream declines
-            self.release_anchor_lock(
-                op.handle
-            )  # parked ops hold no pin; ours is separate
+                return orig(self, op, info, hit_tokens, aux_hit_tokens)  # upstream declines
+            self.release_anchor_lock(op.handle)  # parked ops hold no pin; ours is separate
             return False
         if s.op is not op or s.state not in ("reading", "ready"):
             return orig(self, op, info, hit_tokens, aux_hit_tokens)
@@ -401,11 +374,8 @@ def apply(ctx: PatchContext) -> None:
             # The device prefix grew past R meanwhile: R is redundant, upstream takes over.
             _end(self, s, "device_covered")
             return orig(self, op, info, hit_tokens, aux_hit_tokens)
-        if not cache.cache_controller.can_fit_prefetch_host_buffers(
-            op, hit_tokens - trim
-        ) or (
-            cache.cache_controller.mem_pool_host.anchor_entry.host_pool.available_size()
-            < hit_tokens - trim
+        if not cache.cache_controller.can_fit_prefetch_host_buffers(op, hit_tokens - trim) or (
+            cache.cache_controller.mem_pool_host.anchor_entry.host_pool.available_size() < hit_tokens - trim
         ):
             self.release_anchor_lock(op.handle)
             return False
@@ -419,20 +389,14 @@ def apply(ctx: PatchContext) -> None:
             _abort(self, s, "final_deferred")
         return queued
 
-    def stage(
-        orig: Any, self: Any, request: Any, num_tokens: int, hash_value: list
-    ) -> bool:
+    def stage(orig: Any, self: Any, request: Any, num_tokens: int, hash_value: list) -> bool:
         s = lane_of(self).streams.get(request)
         if s is None or s.state != "final":
             return orig(self, request, num_tokens, hash_value)
         res = orig(self, request, num_tokens, hash_value)
         f = self.staged_prefetches.get(request)
         end = s.start + s.hit
-        if (
-            f is None
-            or f.matched_len != s.start + s.r_tokens
-            or f.matched_len + f.num_tokens != end
-        ):
+        if f is None or f.matched_len != s.start + s.r_tokens or f.matched_len + f.num_tokens != end:
             _abort(self, s, "final_short")
             _end(self, s, "final_short")
             return res
@@ -468,13 +432,9 @@ def apply(ctx: PatchContext) -> None:
         base = s.start + s.r_tokens
         d = plan.device_prefix_len
         matched, num, hashes = s.f
-        f2 = msgspec.structs.replace(
-            f, matched_len=matched, num_tokens=num, hash_values=hashes
-        )
+        f2 = msgspec.structs.replace(f, matched_len=matched, num_tokens=num, hash_values=hashes)
         new_d = max(d, base)
-        plan2 = dataclasses.replace(
-            plan, device_prefix_len=new_d, full_tokens=plan.full_tokens - (new_d - d)
-        )
+        plan2 = dataclasses.replace(plan, device_prefix_len=new_d, full_tokens=plan.full_tokens - (new_d - d))
         state, why = orig(self, req, f2, plan2, load_back_id, load_xfers)
         if state is None:
             return state, why  # deferred: R stays with the staged hold
@@ -482,9 +442,7 @@ def apply(ctx: PatchContext) -> None:
         used, spare = s.rows[cut:], s.rows[:cut]
         if len(spare):
             self._cache.token_to_kv_pool_allocator.free(spare)
-        state.device_indices = torch.cat(
-            [used.to(state.device_indices.device), state.device_indices]
-        )
+        state.device_indices = torch.cat([used.to(state.device_indices.device), state.device_indices])
         state.num_tokens = plan.full_tokens
         s.rows = s.rows[:0]  # R now belongs to the insert init_load_back makes next
         _end(self, s, "restored")
@@ -500,14 +458,8 @@ def apply(ctx: PatchContext) -> None:
     def progress(orig: Any, self: Any, request: Any) -> bool:
         if self.buffer_pipeline is not None:
             s = lane_of(self.buffer_pipeline).streams.get(request)
-            if (
-                s is not None
-                and s.state in ("reading", "ready", "final")
-                and request in self.ongoing_prefetch
-            ):
-                return (
-                    False  # the request waits for its stream, whatever the stop policy
-                )
+            if s is not None and s.state in ("reading", "ready", "final") and request in self.ongoing_prefetch:
+                return False  # the request waits for its stream, whatever the stop policy
         return orig(self, request)
 
     def events(orig: Any, self: Any) -> None:
@@ -520,11 +472,7 @@ def apply(ctx: PatchContext) -> None:
         # admission charges the whole span as new tokens: credit the rows the splice uses.
         pipe = getattr(self.tree_cache, "buffer_pipeline", None)
         handle = getattr(req, "cache_request_handle", None)
-        s = (
-            lane_of(pipe).streams.get(handle)
-            if pipe is not None and handle is not None
-            else None
-        )
+        s = lane_of(pipe).streams.get(handle) if pipe is not None and handle is not None else None
         plan = getattr(req, "staged_prefetch_plan", None)
         if s is None or s.state != "staged" or plan is None:
             return orig(self, req, *args, **kwargs)

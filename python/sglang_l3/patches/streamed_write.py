@@ -100,9 +100,7 @@ def apply(ctx: PatchContext) -> None:
         wp = window_tokens(self) // page
         if len(keys) <= wp:
             return res
-        c = _first_uncovered(
-            self._cache.storage_existence_cache.pool(PoolName.KV), keys
-        )
+        c = _first_uncovered(self._cache.storage_existence_cache.pool(PoolName.KV), keys)
         if c is None:
             return res  # all covered: upstream retires the intent
         end = min(c + wp, len(keys))
@@ -138,9 +136,7 @@ def apply(ctx: PatchContext) -> None:
             # The flush loop pops index 0 (this intent) next; the copy at 1 stays the head.
             self.pending_write_queue.insert(1, intent)
             self._retain_queued_span(intent)
-            self.inflight_backup_pools.setdefault(intent.snapshot.node_id, set()).add(
-                intent.pool
-            )
+            self.inflight_backup_pools.setdefault(intent.snapshot.node_id, set()).add(intent.pool)
         return ok
 
     def backup_ack(orig: Any, self: Any, ack_id: int) -> None:

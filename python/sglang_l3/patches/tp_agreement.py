@@ -80,9 +80,7 @@ def agree(group: Any, flag: bool, *, all_ranks: bool = True) -> bool:
     import torch.distributed as dist
 
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(
-        t, op=dist.ReduceOp.MIN if all_ranks else dist.ReduceOp.MAX, group=group
-    )
+    dist.all_reduce(t, op=dist.ReduceOp.MIN if all_ranks else dist.ReduceOp.MAX, group=group)
     return bool(t.item())
 
 
@@ -129,9 +127,7 @@ def _flush_cache(original: Callable, sched: Any, *args: Any, **kwargs: Any) -> A
     if _world(group) > 1:
         local = bool(sched.is_fully_idle(ignore_waiting=sched._engine_paused))
         if not agree(group, local):
-            metrics.inc(
-                "tp_flush_refused", "this_rank_busy" if not local else "other_rank_busy"
-            )
+            metrics.inc("tp_flush_refused", "this_rank_busy" if not local else "other_rank_busy")
             logger.warning(
                 "sglang-l3: /flush_cache refused on every TP rank: TP rank %d is %s",
                 _rank(group),
@@ -141,9 +137,7 @@ def _flush_cache(original: Callable, sched: Any, *args: Any, **kwargs: Any) -> A
     return original(sched, *args, **kwargs)
 
 
-def _flush_wrapper_init(
-    original: Callable, wrapper: Any, *args: Any, **kwargs: Any
-) -> Any:
+def _flush_wrapper_init(original: Callable, wrapper: Any, *args: Any, **kwargs: Any) -> Any:
     out = original(wrapper, *args, **kwargs)
     local_idle = wrapper._is_fully_idle
     sched = getattr(local_idle, "__self__", None)
@@ -215,11 +209,7 @@ def _fault_here(cache: Any) -> bool:
 def _init_load_back(original: Callable, pipe: Any, params: Any) -> Any:
     req = params.req
     cache = pipe._cache
-    if (
-        req is not None
-        and pipe.staged_prefetches.get(req.cache_request_handle) is not None
-        and _fault_here(cache)
-    ):
+    if req is not None and pipe.staged_prefetches.get(req.cache_request_handle) is not None and _fault_here(cache):
         from sglang_l3.patches.reanchor import _fallback
 
         _FAULT_FIRED[0] = True
@@ -246,9 +236,7 @@ def _init_load_back(original: Callable, pipe: Any, params: Any) -> Any:
     return result
 
 
-def _get_next_batch_to_run(
-    original: Callable, sched: Any, *args: Any, **kwargs: Any
-) -> Any:
+def _get_next_batch_to_run(original: Callable, sched: Any, *args: Any, **kwargs: Any) -> Any:
     out = original(sched, *args, **kwargs)
     if verify_enabled():
         check_decisions(_flush_group(sched))
@@ -281,10 +269,7 @@ def check_decisions(group: Any) -> None:
     if any(other != everyone[0] for other in everyone[1:]):
         metrics.inc("rank_disagreements")
         metrics.inc("fail_stops")
-        lines = "; ".join(
-            f"TP rank {r}: [{', '.join(map(str, recs or []))}]"
-            for r, recs in enumerate(everyone)
-        )
+        lines = "; ".join(f"TP rank {r}: [{', '.join(map(str, recs or []))}]" for r, recs in enumerate(everyone))
         msg = f"sglang-l3 verify: TP ranks made different L3 restore decisions, stopping: {lines}"
         logger.error(msg)
         raise RankDisagreement(msg)
@@ -293,9 +278,7 @@ def check_decisions(group: Any) -> None:
 # --------------------------------------------------------------------------- #
 def apply(ctx: PatchContext) -> None:
     if ctx.id == "tp-agreed-sidecar-heal":
-        ctx.around(
-            f"{URC}._check_hybrid_prefetch_result", _check_hybrid_prefetch_result
-        )
+        ctx.around(f"{URC}._check_hybrid_prefetch_result", _check_hybrid_prefetch_result)
     elif ctx.id == "tp-agreed-flush":
         ctx.around(f"{SCHED}.flush_cache", _flush_cache)
         ctx.around(f"{FLUSH}.__init__", _flush_wrapper_init)

@@ -123,8 +123,9 @@ class TorchKernel(GemmKernel):
     def prepare(self, layer, dtype):
         g = layer.g_idx_or_sequential()
         qw, qz, s, bits, fmt = layer.qweight, layer.qzeros, layer.scales, layer.bits, layer.fmt
-        return Prepared(lambda x: ref.torch_gemm(x, qw, qz, s, g, bits, fmt),
-                        {"qweight": qw, "qzeros": qz, "scales": s, "g_idx": g})
+        return Prepared(
+            lambda x: ref.torch_gemm(x, qw, qz, s, g, bits, fmt), {"qweight": qw, "qzeros": qz, "scales": s, "g_idx": g}
+        )
 
 
 class TritonKernel(GemmKernel):
@@ -168,8 +169,16 @@ _ROLE_NAMES = {
     "bits": ("bit", "bits", "num_bits"),
 }
 _ROLE_OF = {n: role for role, names in _ROLE_NAMES.items() for n in names}
-_ROLE_TYPE = {"x": "Tensor", "qweight": "Tensor", "qzeros": "Tensor", "scales": "Tensor",
-              "g_idx": "Tensor", "use_v2": "bool", "shuffle": "bool", "bits": "int"}
+_ROLE_TYPE = {
+    "x": "Tensor",
+    "qweight": "Tensor",
+    "qzeros": "Tensor",
+    "scales": "Tensor",
+    "g_idx": "Tensor",
+    "use_v2": "bool",
+    "shuffle": "bool",
+    "bits": "int",
+}
 _REQUIRED = ("x", "qweight", "qzeros", "scales", "g_idx")
 
 
@@ -185,8 +194,16 @@ class NativeOp:
         return any(r == "use_v2" for _, r in self.roles)
 
     def call(self, x, qweight, qzeros, scales, g_idx, *, v2: bool, shuffle: bool, bits: int):
-        value = {"x": x, "qweight": qweight, "qzeros": qzeros, "scales": scales,
-                 "g_idx": g_idx, "use_v2": v2, "shuffle": shuffle, "bits": bits}
+        value = {
+            "x": x,
+            "qweight": qweight,
+            "qzeros": qzeros,
+            "scales": scales,
+            "g_idx": g_idx,
+            "use_v2": v2,
+            "shuffle": shuffle,
+            "bits": bits,
+        }
         return self.fn(*[value[r] for _, r in self.roles])
 
 
@@ -380,8 +397,11 @@ class SglKernelGemm(GemmKernel):
 
     def prepare(self, layer, dtype):
         v2 = self.op.takes_v2 and layer.fmt == "v2"
-        qz = layer.qzeros if v2 or layer.fmt == "v1" else ref.convert_zero_format(
-            layer.qzeros, layer.bits, layer.fmt, "v1")
+        qz = (
+            layer.qzeros
+            if v2 or layer.fmt == "v1"
+            else ref.convert_zero_format(layer.qzeros, layer.bits, layer.fmt, "v1")
+        )
         qw = layer.qweight.clone()
         use_shuffle = self.shuffle is not None and layer.g_idx is None
         if use_shuffle:
@@ -391,8 +411,10 @@ class SglKernelGemm(GemmKernel):
         else:  # the non-shuffled path reads g_idx per row
             g = layer.g_idx_or_sequential().contiguous()
         s, op, bits = layer.scales.to(dtype).contiguous(), self.op, layer.bits
-        return Prepared(lambda x: op.call(x, qw, qz, s, g, v2=v2, shuffle=use_shuffle, bits=bits),
-                        {"qweight": qw, "qzeros": qz, "scales": s, "g_idx": g})
+        return Prepared(
+            lambda x: op.call(x, qw, qz, s, g, v2=v2, shuffle=use_shuffle, bits=bits),
+            {"qweight": qw, "qzeros": qz, "scales": s, "g_idx": g},
+        )
 
 
 def candidates(found: Optional[NativeDiscovery] = None) -> list[GemmKernel]:
@@ -406,8 +428,9 @@ def candidates(found: Optional[NativeDiscovery] = None) -> list[GemmKernel]:
 # --------------------------------------------------------------------------- #
 # Preparing a layer and choosing its kernel
 # --------------------------------------------------------------------------- #
-def pack_layer(ck: Checkpoint, *, bits: int, group_size: int, desc_act: bool,
-               declared: ZeroFormat) -> tuple[PackedLayer, ref.FormatDecision]:
+def pack_layer(
+    ck: Checkpoint, *, bits: int, group_size: int, desc_act: bool, declared: ZeroFormat
+) -> tuple[PackedLayer, ref.FormatDecision]:
     """Detect the zero format and sort act-order rows once (K permutation)."""
     K = ck.qweight.shape[0] * 32 // bits
     N = ck.qweight.shape[1]
@@ -421,10 +444,20 @@ def pack_layer(ck: Checkpoint, *, bits: int, group_size: int, desc_act: bool,
     if desc_act and not channelwise and ck.g_idx is not None and not ref.is_sequential(ck.g_idx, gs):
         qweight, g_sorted, perm = ref.sort_by_group(ck.qweight, ck.g_idx, bits)
         g_idx = None if ref.is_sequential(g_sorted, gs) else g_sorted.to(torch.int32)
-    layer = PackedLayer(qweight=qweight.contiguous(), qzeros=ck.qzeros.contiguous(),
-                        scales=ck.scales.contiguous(), g_idx=g_idx, perm=perm, bits=bits,
-                        group_size=gs, fmt=decision.fmt, symmetric=decision.symmetric,
-                        K=K, N=N, channelwise=channelwise)
+    layer = PackedLayer(
+        qweight=qweight.contiguous(),
+        qzeros=ck.qzeros.contiguous(),
+        scales=ck.scales.contiguous(),
+        g_idx=g_idx,
+        perm=perm,
+        bits=bits,
+        group_size=gs,
+        fmt=decision.fmt,
+        symmetric=decision.symmetric,
+        K=K,
+        N=N,
+        channelwise=channelwise,
+    )
     return layer, decision
 
 
@@ -443,9 +476,18 @@ class LayerGemm:
         return self.runner(x2.contiguous()).reshape(*x.shape[:-1], self.n)
 
 
-def self_check(gemm: LayerGemm, ck: Checkpoint, *, bits: int, fmt: ZeroFormat, group_size: int,
-               act_order: bool, dtype: torch.dtype, m_values: Sequence[int] = (1, 19, 40),
-               max_cols: int = 64) -> ref.Comparison:
+def self_check(
+    gemm: LayerGemm,
+    ck: Checkpoint,
+    *,
+    bits: int,
+    fmt: ZeroFormat,
+    group_size: int,
+    act_order: bool,
+    dtype: torch.dtype,
+    m_values: Sequence[int] = (1, 19, 40),
+    max_cols: int = 64,
+) -> ref.Comparison:
     """Run the layer's kernel on a slice of the real layer and compare with the fp32
     reference built from the checkpoint tensors and the load-time decisions (zero
     format, act-order), never from anything a kernel's prepare() produced.
@@ -492,20 +534,29 @@ def record_decision(entry: dict[str, Any]) -> None:
         _DECISIONS.append(entry)
 
 
-def select(ck: Checkpoint, *, bits: int, group_size: int, desc_act: bool, declared: ZeroFormat,
-           dtype: torch.dtype, prefix: str = "", dev: Optional[DeviceInfo] = None,
-           kernels: Optional[Sequence[GemmKernel]] = None) -> Selection:
+def select(
+    ck: Checkpoint,
+    *,
+    bits: int,
+    group_size: int,
+    desc_act: bool,
+    declared: ZeroFormat,
+    dtype: torch.dtype,
+    prefix: str = "",
+    dev: Optional[DeviceInfo] = None,
+    kernels: Optional[Sequence[GemmKernel]] = None,
+) -> Selection:
     """Choose and verify the kernel for one layer. Raises if none reproduces the reference."""
     dev = dev or device_info(ck.qweight.device)
-    layer, decision = pack_layer(ck, bits=bits, group_size=group_size, desc_act=desc_act,
-                                 declared=declared)
+    layer, decision = pack_layer(ck, bits=bits, group_size=group_size, desc_act=desc_act, declared=declared)
     if layer.scales.dtype != dtype:
         layer.scales = layer.scales.to(dtype)
     if decision.fmt != declared:
         logger.warning("sglang-l3 GPTQ %s: %s", prefix or "<layer>", decision.reason)
     skipped: list[tuple[str, str]] = []
-    truth = dict(bits=bits, fmt=decision.fmt, group_size=layer.group_size,
-                 act_order=layer.perm is not None, dtype=dtype)
+    truth = dict(
+        bits=bits, fmt=decision.fmt, group_size=layer.group_size, act_order=layer.perm is not None, dtype=dtype
+    )
     for kernel in candidates() if kernels is None else kernels:
         why = kernel.unavailable(layer, dtype, dev)
         if why:
@@ -516,41 +567,81 @@ def select(ck: Checkpoint, *, bits: int, group_size: int, desc_act: bool, declar
             gemm = LayerGemm(prepared.run, layer.perm, layer.N, kernel.name)
             check = self_check(gemm, ck, **truth)
         except Exception as e:  # noqa: BLE001 - a kernel that raises is skipped, loudly
-            logger.error("sglang-l3 GPTQ %s: kernel %s raised during its load-time self-check "
-                         "(%s: %s); trying the next kernel", prefix or "<layer>", kernel.name,
-                         type(e).__name__, e)
+            logger.error(
+                "sglang-l3 GPTQ %s: kernel %s raised during its load-time self-check (%s: %s); trying the next kernel",
+                prefix or "<layer>",
+                kernel.name,
+                type(e).__name__,
+                e,
+            )
             skipped.append((kernel.name, f"self-check raised {type(e).__name__}: {e}"))
             continue
         if not check.ok:
-            logger.error("sglang-l3 GPTQ %s: kernel %s FAILED its load-time self-check against "
-                         "the torch reference (%s; bits=%d fmt=%s dtype=%s); falling back to the "
-                         "next kernel", prefix or "<layer>", kernel.name, check, bits,
-                         decision.fmt, dtype)
+            logger.error(
+                "sglang-l3 GPTQ %s: kernel %s FAILED its load-time self-check against "
+                "the torch reference (%s; bits=%d fmt=%s dtype=%s); falling back to the "
+                "next kernel",
+                prefix or "<layer>",
+                kernel.name,
+                check,
+                bits,
+                decision.fmt,
+                dtype,
+            )
             skipped.append((kernel.name, f"self-check mismatch: {check}"))
             continue
-        sel = Selection(gemm, kernel.name, decision.fmt, decision.reason, check, skipped,
-                        prepared.tensors, layer.perm is not None)
-        record_decision({"prefix": prefix, "bits": bits, "fmt": decision.fmt, "dtype": str(dtype),
-                         "group_size": group_size, "act_order": layer.perm is not None,
-                         "kernel": kernel.name, "fmt_reason": decision.reason, "check": str(check),
-                         "skipped": skipped})
+        sel = Selection(
+            gemm, kernel.name, decision.fmt, decision.reason, check, skipped, prepared.tensors, layer.perm is not None
+        )
+        record_decision(
+            {
+                "prefix": prefix,
+                "bits": bits,
+                "fmt": decision.fmt,
+                "dtype": str(dtype),
+                "group_size": group_size,
+                "act_order": layer.perm is not None,
+                "kernel": kernel.name,
+                "fmt_reason": decision.reason,
+                "check": str(check),
+                "skipped": skipped,
+            }
+        )
         return sel
     raise RuntimeError(
         f"sglang-l3 GPTQ {prefix or '<layer>'}: no kernel reproduces the reference "
-        f"(bits={bits} fmt={decision.fmt} dtype={dtype}); tried: "
-        + "; ".join(f"{k}: {r}" for k, r in skipped))
+        f"(bits={bits} fmt={decision.fmt} dtype={dtype}); tried: " + "; ".join(f"{k}: {r}" for k, r in skipped)
+    )
 
 
-def plan(bits: int, fmt: ZeroFormat, dtype: torch.dtype, dev: DeviceInfo, *, group_size: int = 128,
-         symmetric: bool = True, K: int = 4096, N: int = 4096,
-         kernels: Optional[Sequence[GemmKernel]] = None) -> list[tuple[str, Optional[str]]]:
+def plan(
+    bits: int,
+    fmt: ZeroFormat,
+    dtype: torch.dtype,
+    dev: DeviceInfo,
+    *,
+    group_size: int = 128,
+    symmetric: bool = True,
+    K: int = 4096,
+    N: int = 4096,
+    kernels: Optional[Sequence[GemmKernel]] = None,
+) -> list[tuple[str, Optional[str]]]:
     """Which kernels could serve a typical layer of this kind, and why the others
     cannot (no weights, no self-check: the doctor's view)."""
-    layer = PackedLayer(qweight=torch.empty(0, N, dtype=torch.int32),
-                        qzeros=torch.empty(0, N * bits // 32, dtype=torch.int32),
-                        scales=torch.empty(0, N, dtype=dtype),
-                        g_idx=None, perm=None, bits=bits, group_size=group_size if group_size > 0 else K,
-                        fmt=fmt, symmetric=symmetric, K=K, N=N, channelwise=group_size <= 0)
+    layer = PackedLayer(
+        qweight=torch.empty(0, N, dtype=torch.int32),
+        qzeros=torch.empty(0, N * bits // 32, dtype=torch.int32),
+        scales=torch.empty(0, N, dtype=dtype),
+        g_idx=None,
+        perm=None,
+        bits=bits,
+        group_size=group_size if group_size > 0 else K,
+        fmt=fmt,
+        symmetric=symmetric,
+        K=K,
+        N=N,
+        channelwise=group_size <= 0,
+    )
     out = []
     for k in candidates() if kernels is None else kernels:
         try:

@@ -30,9 +30,11 @@ def report(dev: Optional[Any] = None) -> dict:
 
     reason = not_applicable_reason() if dev is None else None
     if reason:
-        return {"ok": True,
-                "lines": [f"gptq-rocm: not applicable here ({reason})"],
-                "data": {"applicable": False, "reason": reason}}
+        return {
+            "ok": True,
+            "lines": [f"gptq-rocm: not applicable here ({reason})"],
+            "data": {"applicable": False, "reason": reason},
+        }
 
     from sglang_l3.quant import dispatch
 
@@ -41,8 +43,9 @@ def report(dev: Optional[Any] = None) -> dict:
         dev = dispatch.device_info(device)
     found = dispatch.installed()
     kernels = dispatch.candidates(found)
-    lines = [f"gptq-rocm: device {dev.arch or dev.type}; kernels in dispatch order: "
-             + ", ".join(k.name for k in kernels)]
+    lines = [
+        f"gptq-rocm: device {dev.arch or dev.type}; kernels in dispatch order: " + ", ".join(k.name for k in kernels)
+    ]
     if os.environ.get(dispatch.ENV_OPS):
         lines.append(f"  {dispatch.ENV_OPS}={os.environ[dispatch.ENV_OPS]}")
     lines += [f"  probe: {n}" for n in found.notes]
@@ -54,21 +57,30 @@ def report(dev: Optional[Any] = None) -> dict:
                 plan = dispatch.plan(bits, fmt, dtype, dev, kernels=kernels)  # type: ignore[arg-type]
                 chosen = next((k for k, why in plan if why is None), None)
                 skipped = [(k, why) for k, why in plan if why is not None]
-                table.append({"bits": bits, "format": fmt, "dtype": _short(dtype),
-                              "kernel": chosen, "skipped": skipped})
+                table.append(
+                    {"bits": bits, "format": fmt, "dtype": _short(dtype), "kernel": chosen, "skipped": skipped}
+                )
                 why_not = "; ".join(f"{k}: {w}" for k, w in skipped) or "first choice"
                 lines.append(f"  {bits}-bit {fmt} {_short(dtype)}: {chosen}  ({why_not})")
                 ok = ok and chosen is not None
     made = dispatch.decisions()
     failed_checks = [d for d in made if any("self-check" in r for _, r in d["skipped"])]
     if made:
-        lines.append(f"  this process: {len(made)} GPTQ layers loaded, "
-                     f"{len(failed_checks)} fell back after a failed self-check")
+        lines.append(
+            f"  this process: {len(made)} GPTQ layers loaded, {len(failed_checks)} fell back after a failed self-check"
+        )
         for d in failed_checks:
-            lines.append(f"    {d['prefix']}: now {d['kernel']}; "
-                         + "; ".join(f"{k}: {r}" for k, r in d["skipped"]))
-    return {"ok": ok and not failed_checks,
-            "lines": lines,
-            "data": {"applicable": True, "arch": dev.arch, "device": dev.type,
-                     "kernels": [k.name for k in kernels], "probe_notes": list(found.notes),
-                     "table": table, "decisions": made}}
+            lines.append(f"    {d['prefix']}: now {d['kernel']}; " + "; ".join(f"{k}: {r}" for k, r in d["skipped"]))
+    return {
+        "ok": ok and not failed_checks,
+        "lines": lines,
+        "data": {
+            "applicable": True,
+            "arch": dev.arch,
+            "device": dev.type,
+            "kernels": [k.name for k in kernels],
+            "probe_notes": list(found.notes),
+            "table": table,
+            "decisions": made,
+        },
+    }

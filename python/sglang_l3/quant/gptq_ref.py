@@ -168,8 +168,9 @@ def dequantize(
     return w if dtype is None else w.to(dtype)
 
 
-def reference_matmul(x: torch.Tensor, qweight, qzeros, scales, g_idx, bits: int, fmt: ZeroFormat,
-                     cols: Optional[torch.Tensor] = None) -> torch.Tensor:
+def reference_matmul(
+    x: torch.Tensor, qweight, qzeros, scales, g_idx, bits: int, fmt: ZeroFormat, cols: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """fp32 x @ W: the ground truth every kernel is compared with."""
     return x.float() @ dequantize(qweight, qzeros, scales, g_idx, bits, fmt, cols=cols)
 
@@ -196,8 +197,7 @@ class Comparison:
     tol_max: float
 
     def __str__(self) -> str:
-        return (f"rel_l2={self.rel_l2:.3g} (tol {self.tol_l2:.3g}), "
-                f"max_rel={self.max_rel:.3g} (tol {self.tol_max:.3g})")
+        return f"rel_l2={self.rel_l2:.3g} (tol {self.tol_l2:.3g}), max_rel={self.max_rel:.3g} (tol {self.tol_max:.3g})"
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Comparison:
@@ -207,7 +207,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Compari
     short runs in fp16 before fp32. Measured: our kernels stay below 2u; a wrong
     zero format or an ignored g_idx costs > 7% (see the tests)."""
     u = unit_roundoff(dtype)
-    diff = (out.float() - ref.float())
+    diff = out.float() - ref.float()
     ref_norm = ref.float().norm().item()
     ref_max = ref.float().abs().max().item() if ref.numel() else 0.0
     rel_l2 = diff.norm().item() / max(ref_norm, 1e-30)

@@ -43,12 +43,34 @@ def _extract(w_lo, w_hi, off, BITS: tl.constexpr):
 
 @triton.jit
 def gptq_gemm_kernel(
-    x_ptr, qw_ptr, qz_ptr, s_ptr, gidx_ptr, out_ptr,
-    M, N, K, group_size,
-    sxm, sxk, sqk, sqn, szg, szn, ssg, ssn, som, son,
-    BITS: tl.constexpr, ZOFF: tl.constexpr, HAS_GIDX: tl.constexpr,
-    TILE_GROUP: tl.constexpr, DOT_F32: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    x_ptr,
+    qw_ptr,
+    qz_ptr,
+    s_ptr,
+    gidx_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    group_size,
+    sxm,
+    sxk,
+    sqk,
+    sqn,
+    szg,
+    szn,
+    ssg,
+    ssn,
+    som,
+    son,
+    BITS: tl.constexpr,
+    ZOFF: tl.constexpr,
+    HAS_GIDX: tl.constexpr,
+    TILE_GROUP: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -66,16 +88,20 @@ def gptq_gemm_kernel(
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
         k_ok = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :] * sxk,
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * sxm + offs_k[None, :] * sxk, mask=m_ok[:, None] & k_ok[None, :], other=0.0
+        )
         kbit = offs_k * BITS
         kword = kbit // 32
         koff = kbit % 32
         wmask = k_ok[:, None] & n_ok[None, :]
         w_lo = tl.load(qw_ptr + kword[:, None] * sqk + offs_n[None, :] * sqn, mask=wmask, other=0)
         if BITS == 3:
-            w_hi = tl.load(qw_ptr + (kword + 1)[:, None] * sqk + offs_n[None, :] * sqn,
-                           mask=wmask & ((koff + BITS) > 32)[:, None], other=0)
+            w_hi = tl.load(
+                qw_ptr + (kword + 1)[:, None] * sqk + offs_n[None, :] * sqn,
+                mask=wmask & ((koff + BITS) > 32)[:, None],
+                other=0,
+            )
         else:
             w_hi = w_lo
         q = _extract(w_lo, w_hi, koff[:, None], BITS)
@@ -85,8 +111,7 @@ def gptq_gemm_kernel(
             s1 = tl.load(s_ptr + g1 * ssg + offs_n * ssn, mask=n_ok, other=0.0)
             z1_lo = tl.load(qz_ptr + g1 * szg + zword * szn, mask=n_ok, other=0)
             if BITS == 3:
-                z1_hi = tl.load(qz_ptr + g1 * szg + (zword + 1) * szn,
-                                mask=n_ok & ((zoff + BITS) > 32), other=0)
+                z1_hi = tl.load(qz_ptr + g1 * szg + (zword + 1) * szn, mask=n_ok & ((zoff + BITS) > 32), other=0)
             else:
                 z1_hi = z1_lo
             z1 = _extract(z1_lo, z1_hi, zoff, BITS) + ZOFF
@@ -104,8 +129,11 @@ def gptq_gemm_kernel(
             s = tl.load(s_ptr + g[:, None] * ssg + offs_n[None, :] * ssn, mask=wmask, other=0.0)
             z_lo = tl.load(qz_ptr + g[:, None] * szg + zword[None, :] * szn, mask=wmask, other=0)
             if BITS == 3:
-                z_hi = tl.load(qz_ptr + g[:, None] * szg + (zword + 1)[None, :] * szn,
-                               mask=wmask & ((zoff + BITS) > 32)[None, :], other=0)
+                z_hi = tl.load(
+                    qz_ptr + g[:, None] * szg + (zword + 1)[None, :] * szn,
+                    mask=wmask & ((zoff + BITS) > 32)[None, :],
+                    other=0,
+                )
             else:
                 z_hi = z_lo
             z = _extract(z_lo, z_hi, zoff[None, :], BITS) + ZOFF
@@ -115,8 +143,11 @@ def gptq_gemm_kernel(
             else:
                 acc += tl.dot(x, w.to(x.dtype))
 
-    tl.store(out_ptr + offs_m[:, None] * som + offs_n[None, :] * son,
-             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(
+        out_ptr + offs_m[:, None] * som + offs_n[None, :] * son,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
 
 
 def interpreting() -> bool:
@@ -181,15 +212,36 @@ def gptq_gemm(
     gidx = g_idx if has_gidx else qweight  # unused pointer when HAS_GIDX=False
     grid = (triton.cdiv(M, cfg.BM), triton.cdiv(N, cfg.BN))
     gptq_gemm_kernel[grid](
-        x2, qweight, qzeros, scales, gidx, out, M, N, K, gs,
-        x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1),
-        qzeros.stride(0), qzeros.stride(1), scales.stride(0), scales.stride(1),
-        out.stride(0), out.stride(1),
-        BITS=bits, ZOFF=1 if fmt == "v1" else 0, HAS_GIDX=has_gidx,
+        x2,
+        qweight,
+        qzeros,
+        scales,
+        gidx,
+        out,
+        M,
+        N,
+        K,
+        gs,
+        x2.stride(0),
+        x2.stride(1),
+        qweight.stride(0),
+        qweight.stride(1),
+        qzeros.stride(0),
+        qzeros.stride(1),
+        scales.stride(0),
+        scales.stride(1),
+        out.stride(0),
+        out.stride(1),
+        BITS=bits,
+        ZOFF=1 if fmt == "v1" else 0,
+        HAS_GIDX=has_gidx,
         TILE_GROUP=cfg.tile_group,
         # The interpreter returns garbage for a bf16 tl.dot (triton 3.8, measured): fp32 there.
         DOT_F32=interpret and x.dtype == torch.bfloat16,
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, num_warps=cfg.num_warps,
+        BM=cfg.BM,
+        BN=cfg.BN,
+        BK=cfg.BK,
+        num_warps=cfg.num_warps,
     )
     return out.reshape(*x.shape[:-1], N)
 
@@ -222,8 +274,9 @@ def _meta(asm: str, key: str) -> int:
     return int(found[0]) if found else 0
 
 
-def aot_compile(bits: int, dtype: torch.dtype, cfg: LaunchConfig, *, fmt: str = "v1",
-                has_gidx: bool = False, arch: str = "gfx1100") -> AotReport:
+def aot_compile(
+    bits: int, dtype: torch.dtype, cfg: LaunchConfig, *, fmt: str = "v1", has_gidx: bool = False, arch: str = "gfx1100"
+) -> AotReport:
     """Compile one variant for `arch` and read the AMDGPU metadata of the result."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -232,13 +285,29 @@ def aot_compile(bits: int, dtype: torch.dtype, cfg: LaunchConfig, *, fmt: str = 
         raise RuntimeError("AOT compile is impossible in a TRITON_INTERPRET=1 process")
 
     dt = _TL_DTYPE[dtype]
-    sig = {"x_ptr": f"*{dt}", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": f"*{dt}",
-           "gidx_ptr": "*i32", "out_ptr": f"*{dt}", "M": "i32", "N": "i32", "K": "i32",
-           "group_size": "i32",
-           **{s: "i32" for s in ("sxm", "sxk", "sqk", "sqn", "szg", "szn", "ssg", "ssn", "som", "son")}}
-    const = {"BITS": bits, "ZOFF": 1 if fmt == "v1" else 0, "HAS_GIDX": has_gidx,
-             "TILE_GROUP": cfg.tile_group, "DOT_F32": False,
-             "BM": cfg.BM, "BN": cfg.BN, "BK": cfg.BK}
+    sig = {
+        "x_ptr": f"*{dt}",
+        "qw_ptr": "*i32",
+        "qz_ptr": "*i32",
+        "s_ptr": f"*{dt}",
+        "gidx_ptr": "*i32",
+        "out_ptr": f"*{dt}",
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+        "group_size": "i32",
+        **{s: "i32" for s in ("sxm", "sxk", "sqk", "sqn", "szg", "szn", "ssg", "ssn", "som", "son")},
+    }
+    const = {
+        "BITS": bits,
+        "ZOFF": 1 if fmt == "v1" else 0,
+        "HAS_GIDX": has_gidx,
+        "TILE_GROUP": cfg.tile_group,
+        "DOT_F32": False,
+        "BM": cfg.BM,
+        "BN": cfg.BN,
+        "BK": cfg.BK,
+    }
     sig.update({k: "constexpr" for k in const})
     compiled = triton.compile(
         ASTSource(gptq_gemm_kernel, sig, constexprs=const),

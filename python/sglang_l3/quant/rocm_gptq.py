@@ -119,17 +119,29 @@ def moe_wna16_unsupported(cfg: RocmGPTQConfig, hidden: Optional[int], inter: Opt
 def moe_method(cfg: RocmGPTQConfig, layer: torch.nn.Module, prefix: str):
     from sglang.srt.layers.quantization.moe_wna16 import MoeWNA16Config, MoeWNA16Method
 
-    why = moe_wna16_unsupported(cfg, getattr(layer, "hidden_size", None),
-                                getattr(layer, "intermediate_size_per_partition", None))
+    why = moe_wna16_unsupported(
+        cfg, getattr(layer, "hidden_size", None), getattr(layer, "intermediate_size_per_partition", None)
+    )
     if why:
         raise ValueError(
             f"GPTQ MoE layer {prefix!r} on ROCm: the moe_wna16 path cannot serve it: {why}. "
-            "No other GPTQ MoE kernel exists on ROCm in this build.")
+            "No other GPTQ MoE kernel exists on ROCm in this build."
+        )
     wna16 = MoeWNA16Config.from_config({**cfg.full_config, "quant_method": "gptq"})
-    dispatch.record_decision({"prefix": prefix, "bits": cfg.weight_bits, "fmt": cfg.declared_format,
-                              "dtype": "moe", "group_size": cfg.group_size, "act_order": False,
-                              "kernel": "moe_wna16 (upstream Triton fused MoE)",
-                              "fmt_reason": "declared", "check": "", "skipped": []})
+    dispatch.record_decision(
+        {
+            "prefix": prefix,
+            "bits": cfg.weight_bits,
+            "fmt": cfg.declared_format,
+            "dtype": "moe",
+            "group_size": cfg.group_size,
+            "act_order": False,
+            "kernel": "moe_wna16 (upstream Triton fused MoE)",
+            "fmt_reason": "declared",
+            "check": "",
+            "skipped": [],
+        }
+    )
     return MoeWNA16Method(wna16)
 
 
@@ -163,16 +175,33 @@ class _DispatchedKernel:
         cfg = self.config
         declared: ZeroFormat = "v2" if cfg.checkpoint_format == "gptq_v2" else "v1"
         ck = dispatch.Checkpoint(
-            qweight=layer.qweight.data, qzeros=layer.qzeros.data, scales=layer.scales.data,
-            g_idx=layer.g_idx.data if getattr(layer, "g_idx", None) is not None else None)
+            qweight=layer.qweight.data,
+            qzeros=layer.qzeros.data,
+            scales=layer.scales.data,
+            g_idx=layer.g_idx.data if getattr(layer, "g_idx", None) is not None else None,
+        )
         dtype = getattr(layer, "params_dtype", None) or ck.scales.dtype
-        sel = dispatch.select(ck, bits=cfg.weight_bits, group_size=cfg.group_size,
-                              desc_act=cfg.desc_act, declared=declared, dtype=dtype,
-                              prefix=self.scheme.prefix)
+        sel = dispatch.select(
+            ck,
+            bits=cfg.weight_bits,
+            group_size=cfg.group_size,
+            desc_act=cfg.desc_act,
+            declared=declared,
+            dtype=dtype,
+            prefix=self.scheme.prefix,
+        )
         self.selection = sel
-        logger.info("sglang-l3 GPTQ %s: %s (bits=%d fmt=%s dtype=%s group=%d%s; %s)",
-                    self.scheme.prefix or "<layer>", sel.kernel, cfg.weight_bits, sel.fmt, dtype,
-                    cfg.group_size, " act-order" if sel.act_order else "", sel.fmt_reason)
+        logger.info(
+            "sglang-l3 GPTQ %s: %s (bits=%d fmt=%s dtype=%s group=%d%s; %s)",
+            self.scheme.prefix or "<layer>",
+            sel.kernel,
+            cfg.weight_bits,
+            sel.fmt,
+            dtype,
+            cfg.group_size,
+            " act-order" if sel.act_order else "",
+            sel.fmt_reason,
+        )
         # The kernel reads its own (sorted / shuffled) copies; the parameters are
         # re-pointed at them so the checkpoint layout is freed, not kept twice.
         for name, t in sel.tensors.items():
@@ -185,4 +214,3 @@ class _DispatchedKernel:
         if bias is not None:
             out.add_(bias)
         return out
-

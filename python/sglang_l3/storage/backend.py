@@ -73,10 +73,7 @@ def _chain(keys: List[str], prefix_keys: Optional[List[str]]) -> list[tuple[Opti
         prior0, depth0 = None, -1
     else:
         prior0, depth0 = (prefix_keys[-1] if prefix_keys else ""), len(prefix_keys)
-    return [
-        (prior0 if i == 0 else keys[i - 1], depth0 + i if depth0 >= 0 else -1)
-        for i in range(len(keys))
-    ]
+    return [(prior0 if i == 0 else keys[i - 1], depth0 + i if depth0 >= 0 else -1) for i in range(len(keys))]
 
 
 def _false_lists(transfers: List[PoolTransfer], *_a, **_k) -> dict:
@@ -100,9 +97,7 @@ class L3FileStore(HiCacheStorage):
         self._specs: dict[str, PoolSpec] = {}
         self._warned: set[str] = set()
         # per batch since the last get_stats(): (pages moved, GB/s), bounded
-        self._io_stats: dict[bool, collections.deque] = {
-            w: collections.deque(maxlen=4096) for w in (False, True)
-        }
+        self._io_stats: dict[bool, collections.deque] = {w: collections.deque(maxlen=4096) for w in (False, True)}
         self._stats_lock = threading.Lock()
 
     # ------------------------------------------------------------ registry
@@ -129,8 +124,13 @@ class L3FileStore(HiCacheStorage):
             return
         self._maps[name] = pm
         self._specs[name] = spec
-        logger.info("sglang-l3 store: pool %s: %d-byte pages (%s, %s)", name, spec.payload_len,
-                    pm.layout.layout, "zero-copy" if pm.zero_copy else "copy path")
+        logger.info(
+            "sglang-l3 store: pool %s: %d-byte pages (%s, %s)",
+            name,
+            spec.payload_len,
+            pm.layout.layout,
+            "zero-copy" if pm.zero_copy else "copy path",
+        )
 
     def pool_layout(self, name: Any) -> Optional[PoolLayout]:
         spec = self._specs.get(pool_key(name))
@@ -179,14 +179,12 @@ class L3FileStore(HiCacheStorage):
             elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                 trailing = max(1, len(t.keys) if t.keys else 1)
                 have = self.store.exists([(k, spec) for k in keys[:kv_pages]])
-                pool_ok = {
-                    p for p in range(1, kv_pages + 1)
-                    if all(have[i] for i in range(max(0, p - trailing), p))
-                }
+                pool_ok = {p for p in range(1, kv_pages + 1) if all(have[i] for i in range(max(0, p - trailing), p))}
                 boundary = max(pool_ok, default=0)
             else:  # e.g. BLOCK_GROUPS: unused by 0.5.23's callers; never over-promise
-                self._warn_once(f"policy:{t.hit_policy}", "sglang-l3 store: hit policy %s unsupported; no hit",
-                                t.hit_policy)
+                self._warn_once(
+                    f"policy:{t.hit_policy}", "sglang-l3 store: hit policy %s unsupported; no hit", t.hit_policy
+                )
                 restorable = []
                 break
             if boundary:
@@ -196,17 +194,27 @@ class L3FileStore(HiCacheStorage):
         return PoolTransferResult(final, hit_count, restorable)
 
     # ------------------------------------------------------------------ io
-    def _plan(self, name: str, keys: List[str], host_indices: Optional[torch.Tensor],
-              write: bool, prefix_keys: Optional[List[str]]) -> Optional[list[tuple[Any, Target]]]:
+    def _plan(
+        self,
+        name: str,
+        keys: List[str],
+        host_indices: Optional[torch.Tensor],
+        write: bool,
+        prefix_keys: Optional[List[str]],
+    ) -> Optional[list[tuple[Any, Target]]]:
         pm, spec = self._maps.get(name), self._specs.get(name)
         if pm is None or spec is None:
             self._warn_once(f"unreg:{name}", "sglang-l3 store: pool %s not registered; IO fails", name)
             return None
         expected = len(keys) * pm.page_size
         if host_indices is None or host_indices.numel() != expected:
-            logger.error("sglang-l3 store: %s indices length mismatch for %s: expected %d, got %s",
-                         "write" if write else "read", name, expected,
-                         host_indices.numel() if host_indices is not None else 0)
+            logger.error(
+                "sglang-l3 store: %s indices length mismatch for %s: expected %d, got %s",
+                "write" if write else "read",
+                name,
+                expected,
+                host_indices.numel() if host_indices is not None else 0,
+            )
             return None
         idx = host_indices.tolist()
         plan = []
@@ -222,8 +230,12 @@ class L3FileStore(HiCacheStorage):
                 plan.append((ReadItem(key, spec, t.runs), t))
         return plan
 
-    def _run(self, requests: list[tuple[Any, str, List[str], Optional[torch.Tensor]]], write: bool,
-             prefix_keys: Optional[List[str]]) -> dict:
+    def _run(
+        self,
+        requests: list[tuple[Any, str, List[str], Optional[torch.Tensor]]],
+        write: bool,
+        prefix_keys: Optional[List[str]],
+    ) -> dict:
         """One engine call for every page of every pool in the batch."""
         out: dict = {}
         items: list = []
@@ -252,30 +264,33 @@ class L3FileStore(HiCacheStorage):
                 out[rkey] = r
         return out
 
-    def _v2(self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo],
-            write: bool) -> dict:
+    def _v2(self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo], write: bool) -> dict:
         prefix = extra_info.prefix_keys if extra_info is not None else None
         reqs = [(t.name, pool_key(t.name), list(t.keys or []), t.host_indices) for t in transfers]
         return self._run(reqs, write, prefix)
 
     @_never_raise(_false_lists)
-    def batch_get_v2(self, transfers: List[PoolTransfer],
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+    def batch_get_v2(
+        self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> dict[str, List[bool]]:
         return self._v2(transfers, extra_info, write=False)
 
     @_never_raise(_false_lists)
-    def batch_set_v2(self, transfers: List[PoolTransfer],
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+    def batch_set_v2(
+        self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> dict[str, List[bool]]:
         return self._v2(transfers, extra_info, write=True)
 
     @_never_raise(lambda keys, *a, **k: [False] * len(keys))
-    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_get_v1(
+        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> List[bool]:
         return self._run([(KV, KV, list(keys), host_indices)], False, None)[KV]
 
     @_never_raise(lambda keys, *a, **k: [False] * len(keys))
-    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_set_v1(
+        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> List[bool]:
         prefix = extra_info.prefix_keys if extra_info is not None else None
         return self._run([(KV, KV, list(keys), host_indices)], True, prefix)[KV]
 
@@ -285,34 +300,51 @@ class L3FileStore(HiCacheStorage):
         nbytes = t.numel() * t.element_size()
         if kv is not None and nbytes == kv.payload_len:
             return kv
-        raw = PoolLayout(pool=KV, layout="raw", page_size=0,
-                         components=((str(t.dtype).replace("torch.", ""), (t.numel(),)),), payload_bytes=nbytes)
+        raw = PoolLayout(
+            pool=KV,
+            layout="raw",
+            page_size=0,
+            components=((str(t.dtype).replace("torch.", ""), (t.numel(),)),),
+            payload_bytes=nbytes,
+        )
         return self.store.pool_spec(raw, replicated=self.is_mla)
 
     @_never_raise(lambda keys, *a, **k: [None] * len(keys))
-    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+    def batch_get(
+        self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
+    ) -> List[torch.Tensor | None]:
         if not target_locations:
             return [None] * len(keys)
         items = [ReadItem(k, self._flat_spec(t), flat_tensor_target(t)) for k, t in zip(keys, target_locations)]
         res = self.store.read(items)
         return [t if ok else None for t, ok in zip(target_locations, res)]
 
-    def get(self, key: str, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+    def get(
+        self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None
+    ) -> torch.Tensor | None:
         return self.batch_get([key], [target_location] if target_location is not None else None)[0]
 
     @_never_raise(lambda *a, **k: False)
-    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> bool:
+    def batch_set(
+        self,
+        keys: List[str],
+        values: Optional[Any] = None,
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
         if values is None:
             return False
         vals = [v.contiguous() for v in values]
         items = [WriteItem(k, self._flat_spec(v), flat_tensor_target(v)) for k, v in zip(keys, vals)]
         return all(self.store.write(items)) and len(items) == len(keys)
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> bool:
+    def set(
+        self,
+        key: str,
+        value: Optional[Any] = None,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
         return self.batch_set([key], [value] if value is not None else None)
 
     @_never_raise(lambda *a, **k: False)
@@ -354,8 +386,10 @@ class L3FileStore(HiCacheStorage):
 
         out = StorageMetrics()
         with self._stats_lock:
-            for write, pgs, bw in ((False, out.prefetch_pgs, out.prefetch_bandwidth),
-                                   (True, out.backup_pgs, out.backup_bandwidth)):
+            for write, pgs, bw in (
+                (False, out.prefetch_pgs, out.prefetch_bandwidth),
+                (True, out.backup_pgs, out.backup_bandwidth),
+            ):
                 for pages, gbps in self._io_stats[write]:
                     pgs.append(pages)
                     bw.append(gbps)

@@ -79,17 +79,20 @@ def _model(v: str) -> str:
     if not valid_model_arg(v):
         raise argparse.ArgumentTypeError(
             f"{v!r} is neither a model digest prefix (4+ hex) nor a model name "
-            "(printable ASCII: letters, digits, _.@+:=- and / between parts)")
+            "(printable ASCII: letters, digits, _.@+:=- and / between parts)"
+        )
     return v
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "store", help="inspect and manage the L3 page store",
+        "store",
+        help="inspect and manage the L3 page store",
         description="Inspect and manage the sglang-l3 L3 page store. Options may follow the subcommand "
-                    "(`store stats --dir D` = `store --dir D stats`). Exit codes: 0 done; 1 no store, "
-                    "nothing matched, or verify found bad files; 2 bad arguments or an unsafe/unusable "
-                    "store directory; 3 a destructive command was not confirmed.")
+        "(`store stats --dir D` = `store --dir D stats`). Exit codes: 0 done; 1 no store, "
+        "nothing matched, or verify found bad files; 2 bad arguments or an unsafe/unusable "
+        "store directory; 3 a destructive command was not confirmed.",
+    )
     dir_help = "store directory (default: $SGLANG_L3_STORE_DIR or ~/.cache/sglang-l3/store)"
     p.add_argument("--dir", help=dir_help)
     sub = p.add_subparsers(dest="store_cmd", required=True, parser_class=_Parser)
@@ -107,26 +110,40 @@ def add_parser(subparsers) -> None:
     s.add_argument("--pool", help="pool name (kv, mamba, ...)")
     s.add_argument("--limit", type=_limit, default=50, help="rows to show (default 50; 0 = all)")
     s.add_argument("--json", action="store_true")
-    s = cmd("verify", "re-check every page's header and checksums",
-            "Re-read every page and check its header and every checksum. Bad files are moved to "
-            "quarantine/ unless --no-quarantine. Exit 1 if any was bad.")
+    s = cmd(
+        "verify",
+        "re-check every page's header and checksums",
+        "Re-read every page and check its header and every checksum. Bad files are moved to "
+        "quarantine/ unless --no-quarantine. Exit 1 if any was bad.",
+    )
     s.add_argument("--no-quarantine", action="store_true", help="report only; leave bad files in place")
-    s.add_argument("--repair", action="store_true",
-                   help="quarantine bad files and remove dead writers' leftover tmp files")
+    s.add_argument(
+        "--repair", action="store_true", help="quarantine bad files and remove dead writers' leftover tmp files"
+    )
     s.add_argument("--quiet", action="store_true", help="no progress line")
     s.add_argument("--json", action="store_true")
-    s = cmd("evict", "shrink the store (quarantine first, then least recently used pages)",
-            "Shrink pages + quarantine to SIZE: quarantine first, then least recently used pages; "
-            "dead writers' tmp files are removed too. Removing more than half of the store asks for "
-            "confirmation on a terminal and needs --yes otherwise.")
-    s.add_argument("--to", required=True, metavar="SIZE",
-                   help=f"target size, e.g. {SIZE_EXAMPLES.replace('%', '%%')} (N%% = of the filesystem holding the store); "
-                        "0 empties the store (asks first)")
+    s = cmd(
+        "evict",
+        "shrink the store (quarantine first, then least recently used pages)",
+        "Shrink pages + quarantine to SIZE: quarantine first, then least recently used pages; "
+        "dead writers' tmp files are removed too. Removing more than half of the store asks for "
+        "confirmation on a terminal and needs --yes otherwise.",
+    )
+    s.add_argument(
+        "--to",
+        required=True,
+        metavar="SIZE",
+        help=f"target size, e.g. {SIZE_EXAMPLES.replace('%', '%%')} (N%% = of the filesystem holding the store); "
+        "0 empties the store (asks first)",
+    )
     s.add_argument("--yes", "-y", action="store_true", help="do not ask; required when stdin is not a terminal")
     s.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
-    s = cmd("clear", "remove pages (all, or one model's)",
-            "Remove every page, the quarantine and dead writers' tmp files, or one model's pages. "
-            "Asks for confirmation on a terminal and needs --yes otherwise.")
+    s = cmd(
+        "clear",
+        "remove pages (all, or one model's)",
+        "Remove every page, the quarantine and dead writers' tmp files, or one model's pages. "
+        "Asks for confirmation on a terminal and needs --yes otherwise.",
+    )
     s.add_argument("--model", type=_model, help="model digest prefix (4+ hex) or served model name")
     s.add_argument("--yes", "-y", action="store_true", help="do not ask; required when stdin is not a terminal")
     s.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
@@ -154,8 +171,9 @@ class _Progress:
         frac = done / total if total else 1.0
         bar = "#" * int(frac * width) + "." * (width - int(frac * width))
         rate = nbytes / max(now - self.t0, 1e-6)
-        sys.stderr.write(f"\r[{bar}] {frac * 100:5.1f}% {done}/{total} pages {fmt_bytes(nbytes)} "
-                         f"({fmt_bytes(rate)}/s)\x1b[K")
+        sys.stderr.write(
+            f"\r[{bar}] {frac * 100:5.1f}% {done}/{total} pages {fmt_bytes(nbytes)} ({fmt_bytes(rate)}/s)\x1b[K"
+        )
         if done == total:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -166,8 +184,10 @@ def _confirm(what: str, yes: bool) -> bool:
     if yes:
         return True
     if not sys.stdin.isatty():
-        _err(f"{what}: not confirmed. Standard input is not a terminal; re-run with --yes to proceed "
-             "(--dry-run shows what would go). Nothing was removed.")
+        _err(
+            f"{what}: not confirmed. Standard input is not a terminal; re-run with --yes to proceed "
+            "(--dry-run shows what would go). Nothing was removed."
+        )
         return False
     sys.stderr.write(f"{what}. Proceed? [y/N] ")
     sys.stderr.flush()
@@ -181,22 +201,34 @@ def _confirm(what: str, yes: bool) -> bool:
 def _print_stats(st: dict) -> None:
     print(f"store {st['root']}: {st['pages']} pages, {fmt_bytes(st['bytes'])}")
     for m in st["models"]:
-        print(f"  model {m['mid']} ({m['model']}) shards {','.join(m['shards'])}: "
-              f"{m['pages']} pages, {fmt_bytes(m['bytes'])}")
+        print(
+            f"  model {m['mid']} ({m['model']}) shards {','.join(m['shards'])}: "
+            f"{m['pages']} pages, {fmt_bytes(m['bytes'])}"
+        )
         for pool, v in sorted(m["pools"].items()):
             print(f"    {pool:<12} {v['pages']:>8} pages {fmt_bytes(v['bytes']):>12}")
         cov = m.get("coverage")
         if cov and cov["kv_pages"]:
-            note = "" if cov["exact"] else (f" (lower bound: {cov['unknown_links']} pages without a chain "
-                                             f"link; set hicache_storage_pass_prefix_keys: true)")
-            print(f"    restorable coverage {cov['fraction'] * 100:.1f}% of KV bytes "
-                  f"({cov['covered_pages']}/{cov['kv_pages']} pages){note}")
+            note = (
+                ""
+                if cov["exact"]
+                else (
+                    f" (lower bound: {cov['unknown_links']} pages without a chain "
+                    f"link; set hicache_storage_pass_prefix_keys: true)"
+                )
+            )
+            print(
+                f"    restorable coverage {cov['fraction'] * 100:.1f}% of KV bytes "
+                f"({cov['covered_pages']}/{cov['kv_pages']} pages){note}"
+            )
     q = st["quarantined"]
     reasons = ", ".join(f"{k}={v}" for k, v in sorted(q["by_reason"].items()))
     print(f"  quarantined {q['files']} files, {fmt_bytes(q['bytes'])}" + (f" ({reasons})" if reasons else ""))
     if st["strays"] or st["tmp"]:
-        print(f"  stray files {st['strays']}, in-flight/leftover tmp files {st['tmp']} "
-              "(dead writers' tmp files go with evict, clear or verify --repair)")
+        print(
+            f"  stray files {st['strays']}, in-flight/leftover tmp files {st['tmp']} "
+            "(dead writers' tmp files go with evict, clear or verify --repair)"
+        )
 
 
 def open_store(root: str) -> tuple[StoreDirs | None, int]:
@@ -264,16 +296,30 @@ def _ls(dirs: StoreDirs, args: argparse.Namespace, _t: Any) -> int:
         known = ", ".join(sorted(f"{m.get('model', '?')} ({mid})" for mid, m in s.models.items())) or "none"
         _err(f"no model matches {args.model!r} (known: {known}); nothing listed.")
         return EXIT_NOTHING
-    rows = [p for p in s.pages if (mids is None or p.name.mid in mids)
-            and (args.pool is None or p.name.pool == args.pool)]
+    rows = [
+        p for p in s.pages if (mids is None or p.name.mid in mids) and (args.pool is None or p.name.pool == args.pool)
+    ]
     rows.sort(key=lambda p: (-p.mtime, p.path))
     matching = len(rows)
     if args.limit:
         rows = rows[: args.limit]
     cut = len(rows) < matching
     if args.json:
-        print(json.dumps([{"key": p.name.key, "pool": p.name.pool, "model": p.name.mid,
-                           "shard": p.name.shard, "bytes": p.size, "mtime": p.mtime} for p in rows]))
+        print(
+            json.dumps(
+                [
+                    {
+                        "key": p.name.key,
+                        "pool": p.name.pool,
+                        "model": p.name.mid,
+                        "shard": p.name.shard,
+                        "bytes": p.size,
+                        "mtime": p.mtime,
+                    }
+                    for p in rows
+                ]
+            )
+        )
         if cut:
             _err(f"showing {len(rows)} of {matching} pages; --limit 0 shows all")
         return EXIT_OK
@@ -297,8 +343,10 @@ def _verify(dirs: StoreDirs, args: argparse.Namespace, _t: Any) -> int:
         for name, reason in r["bad"]:
             print(f"BAD {reason:<16} {name}")
         action = "moved to quarantine" if r["quarantined"] else "left in place"
-        print(f"verified {r['checked']} pages ({fmt_bytes(r['bytes'])}): {len(r['bad'])} bad"
-              + (f", {action}" if r["bad"] else ""))
+        print(
+            f"verified {r['checked']} pages ({fmt_bytes(r['bytes'])}): {len(r['bad'])} bad"
+            + (f", {action}" if r["bad"] else "")
+        )
         if args.repair:
             print(f"removed {r['tmp_removed']} leftover tmp files of dead writers ({fmt_bytes(r['tmp_freed_bytes'])})")
     return EXIT_NOTHING if r["bad"] else EXIT_OK
@@ -309,8 +357,7 @@ def _evict(dirs: StoreDirs, args: argparse.Namespace, target: int) -> int:
     total = index.store_bytes(s)
     victims = index.plan_evict(s, target)
     freeing = sum(b for _, _, b in victims)
-    what = (f"evict {len(victims)} files ({fmt_bytes(freeing)} of {fmt_bytes(total)}) to reach "
-            f"{fmt_bytes(target)}")
+    what = f"evict {len(victims)} files ({fmt_bytes(freeing)} of {fmt_bytes(total)}) to reach {fmt_bytes(target)}"
     if args.dry_run:
         print(f"dry run: would {what}; nothing removed")
         return EXIT_OK
@@ -318,8 +365,10 @@ def _evict(dirs: StoreDirs, args: argparse.Namespace, target: int) -> int:
         return EXIT_UNCONFIRMED
     removed, freed = index.remove(dirs, victims)
     tmp, tmp_bytes = writers.sweep_tmp(dirs)
-    print(f"evicted {removed} files ({fmt_bytes(freed)}); store now {fmt_bytes(total - freed)}"
-          + (f"; removed {tmp} leftover tmp files ({fmt_bytes(tmp_bytes)})" if tmp else ""))
+    print(
+        f"evicted {removed} files ({fmt_bytes(freed)}); store now {fmt_bytes(total - freed)}"
+        + (f"; removed {tmp} leftover tmp files ({fmt_bytes(tmp_bytes)})" if tmp else "")
+    )
     return EXIT_OK
 
 
@@ -342,8 +391,10 @@ def _clear(dirs: StoreDirs, args: argparse.Namespace, _t: Any) -> int:
     removed, freed = index.remove(dirs, pages)
     _, freed_rest = index.remove(dirs, [v for v in victims if v not in pages])
     tmp, _ = writers.sweep_tmp(dirs) if mids is None else (0, 0)
-    print(f"removed {removed} pages ({fmt_bytes(freed + freed_rest)})"
-          + (f"; removed {tmp} leftover tmp files of dead writers" if tmp else ""))
+    print(
+        f"removed {removed} pages ({fmt_bytes(freed + freed_rest)})"
+        + (f"; removed {tmp} leftover tmp files of dead writers" if tmp else "")
+    )
     return EXIT_OK
 
 

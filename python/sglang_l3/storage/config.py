@@ -73,8 +73,9 @@ def parse_size(value: Any, *, name: str = "size", fs_total: Optional[int] = None
     number, suffix = m.groups()
     unit = _IEC[suffix.lower()] if suffix and suffix.lower() in _IEC else _SI[suffix.lower()] if suffix else 1
     if strict and not suffix and "." in number:
-        raise ConfigError(f"{name}: {s!r} is not a whole number of bytes; give a unit "
-                          f"or a percentage (examples: {SIZE_EXAMPLES})")
+        raise ConfigError(
+            f"{name}: {s!r} is not a whole number of bytes; give a unit or a percentage (examples: {SIZE_EXAMPLES})"
+        )
     return int(float(number) * unit)
 
 
@@ -125,8 +126,7 @@ class StoreSettings:
             explicit_dir or default_store_dir(),
         )
         max_bytes = parse_size(
-            pick(("max_bytes", "max_size"),
-                 ("SGLANG_L3_STORE_MAX_BYTES", "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"), 0),
+            pick(("max_bytes", "max_size"), ("SGLANG_L3_STORE_MAX_BYTES", "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"), 0),
             name="max_bytes",
         )
         min_free = pick(
@@ -141,16 +141,20 @@ class StoreSettings:
         if durability not in DURABILITY_MODES:
             raise ConfigError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
         odirect = pick(("odirect",), ("SGLANG_L3_STORE_ODIRECT",), "auto")
-        odirect = {True: "on", False: "off", "1": "on", "0": "off", "true": "on",
-                   "false": "off"}.get(odirect if isinstance(odirect, bool) else str(odirect).lower(),
-                                       str(odirect).lower())
+        odirect = {True: "on", False: "off", "1": "on", "0": "off", "true": "on", "false": "off"}.get(
+            odirect if isinstance(odirect, bool) else str(odirect).lower(), str(odirect).lower()
+        )
         if odirect not in ODIRECT_MODES:
             raise ConfigError(f"odirect must be one of {ODIRECT_MODES}, got {odirect!r}")
         try:
             threads = int(pick(("io_threads",), ("SGLANG_L3_STORE_IO_THREADS",), 32))
-            ratio = float(pick(("eviction_ratio",),
-                               ("SGLANG_L3_STORE_EVICTION_RATIO",
-                                "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO"), 0.9))
+            ratio = float(
+                pick(
+                    ("eviction_ratio",),
+                    ("SGLANG_L3_STORE_EVICTION_RATIO", "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO"),
+                    0.9,
+                )
+            )
         except (TypeError, ValueError) as e:
             raise ConfigError(f"io_threads / eviction_ratio: {e}") from e
         if not 1 <= threads <= 256:

@@ -40,10 +40,18 @@ def report(store_dir: Optional[str] = None) -> dict[str, Any]:
     except ConfigError as e:
         return {"ok": False, "lines": [f"store settings invalid: {e}"], "data": {"error": str(e)}}
     root = str(settings.root)
-    data.update(dir=root, durability=settings.durability, odirect=settings.odirect,
-                max_bytes=settings.max_bytes, min_free=settings.min_free, io_threads=settings.io_threads)
-    lines.append(f"store dir {root} (durability={settings.durability}, odirect={settings.odirect}, "
-                 f"cap={_fmt(settings.max_bytes) if settings.max_bytes else 'none'}, min free={settings.min_free})")
+    data.update(
+        dir=root,
+        durability=settings.durability,
+        odirect=settings.odirect,
+        max_bytes=settings.max_bytes,
+        min_free=settings.min_free,
+        io_threads=settings.io_threads,
+    )
+    lines.append(
+        f"store dir {root} (durability={settings.durability}, odirect={settings.odirect}, "
+        f"cap={_fmt(settings.max_bytes) if settings.max_bytes else 'none'}, min free={settings.min_free})"
+    )
     if root.startswith("/tmp/") or root == "/tmp":
         lines.append("  note: the store is under /tmp (often RAM-backed or cleaned at boot)")
     if not os.path.lexists(root):
@@ -83,15 +91,25 @@ def report(store_dir: Optional[str] = None) -> dict[str, Any]:
         floor = 0
     data.update(fs_total=total, fs_free=free, min_free_bytes=floor)
     low = floor and free < floor
-    lines.append(f"  free space {_fmt(free)} of {_fmt(total)}" + (f" (below the {_fmt(floor)} floor: "
-                 "writes evict old pages first)" if low else ""))
+    lines.append(
+        f"  free space {_fmt(free)} of {_fmt(total)}"
+        + (f" (below the {_fmt(floor)} floor: writes evict old pages first)" if low else "")
+    )
     s = index.scan(root)
     st_ = index.stats(s, with_coverage=False)
-    data.update(pages=st_["pages"], bytes=st_["bytes"], quarantined=st_["quarantined"]["files"],
-                quarantined_bytes=st_["quarantined"]["bytes"], strays=st_["strays"], tmp=st_["tmp"],
-                models=[{k: m[k] for k in ("mid", "model", "pages", "bytes")} for m in st_["models"]])
-    lines.append(f"  {st_['pages']} pages ({_fmt(st_['bytes'])}) from {len(st_['models'])} model identities; "
-                 f"{st_['quarantined']['files']} quarantined, {st_['strays']} stray, {st_['tmp']} tmp")
+    data.update(
+        pages=st_["pages"],
+        bytes=st_["bytes"],
+        quarantined=st_["quarantined"]["files"],
+        quarantined_bytes=st_["quarantined"]["bytes"],
+        strays=st_["strays"],
+        tmp=st_["tmp"],
+        models=[{k: m[k] for k in ("mid", "model", "pages", "bytes")} for m in st_["models"]],
+    )
+    lines.append(
+        f"  {st_['pages']} pages ({_fmt(st_['bytes'])}) from {len(st_['models'])} model identities; "
+        f"{st_['quarantined']['files']} quarantined, {st_['strays']} stray, {st_['tmp']} tmp"
+    )
     live = metrics.store_counters()
     if live:
         data["counters"] = live

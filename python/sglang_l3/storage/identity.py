@@ -205,9 +205,7 @@ def _s(v: Any, default: str) -> str:
     return str(v).replace("torch.", "")
 
 
-def identity_for(
-    storage_config: Any, server_args: Any = None, *, override: str = ""
-) -> tuple[ModelIdentity, Shard]:
+def identity_for(storage_config: Any, server_args: Any = None, *, override: str = "") -> tuple[ModelIdentity, Shard]:
     """ModelIdentity + Shard from upstream's HiCacheStorageConfig (+ ServerArgs).
 
     Everything that changes the bytes of a page or which rank owns them goes

@@ -124,9 +124,7 @@ def read_header_only(path: str):
     finally:
         os.close(dfd)
     try:
-        return decode_header(
-            os.pread(fd, FIXED + META_MAX + 8 * 4096, 0), os.fstat(fd).st_size
-        )
+        return decode_header(os.pread(fd, FIXED + META_MAX + 8 * 4096, 0), os.fstat(fd).st_size)
     finally:
         os.close(fd)
 
@@ -153,9 +151,7 @@ def scan(root: Root, *, headers: bool = False) -> Scan:
                     m = _read_header(dirs, n).meta
                     ent.prior, ent.depth = m.get("prior"), int(m.get("depth", -1))
                 except (OSError, HeaderError, ValueError) as ex:
-                    ent.header_error = getattr(ex, "reason", None) or getattr(
-                        ex, "kind", type(ex).__name__
-                    )
+                    ent.header_error = getattr(ex, "reason", None) or getattr(ex, "kind", type(ex).__name__)
             s.pages.append(ent)
         for sub, out in (("quarantine", s.quarantine), ("tmp", s.tmp)):
             for n in _names(dirs, sub):
@@ -383,10 +379,7 @@ def plan_evict(s: Scan, target_bytes: int) -> list[tuple[str, str, int]]:
     recently used first (mtime; reads refresh it), until <= target_bytes."""
     total = store_bytes(s)
     victims = [("quarantine", n, b) for n, b in sorted(s.quarantine)]
-    victims += [
-        ("pages", os.path.basename(p.path), p.size)
-        for p in sorted(s.pages, key=lambda p: (p.mtime, p.path))
-    ]
+    victims += [("pages", os.path.basename(p.path), p.size) for p in sorted(s.pages, key=lambda p: (p.mtime, p.path))]
     out = []
     for v in victims:
         if total <= target_bytes:
@@ -425,24 +418,13 @@ def evict_to(root: Root, target_bytes: int) -> dict:
 
 def match_model(s: Scan, model: str) -> set[str]:
     mids = {p.name.mid for p in s.pages} | set(s.models)
-    return {
-        m
-        for m in mids
-        if (len(model) >= 4 and m.startswith(model))
-        or s.models.get(m, {}).get("model") == model
-    }
+    return {m for m in mids if (len(model) >= 4 and m.startswith(model)) or s.models.get(m, {}).get("model") == model}
 
 
-def plan_clear(
-    s: Scan, model: str | None = None
-) -> tuple[list[tuple[str, str, int]], set[str] | None]:
+def plan_clear(s: Scan, model: str | None = None) -> tuple[list[tuple[str, str, int]], set[str] | None]:
     """Every page (and the quarantine and strays), or one model's pages."""
     mids = match_model(s, model) if model else None
-    victims = [
-        ("pages", os.path.basename(p.path), p.size)
-        for p in s.pages
-        if mids is None or p.name.mid in mids
-    ]
+    victims = [("pages", os.path.basename(p.path), p.size) for p in s.pages if mids is None or p.name.mid in mids]
     if mids is None:
         victims += [("quarantine", n, b) for n, b in s.quarantine]
         victims += [("pages", n, b) for n, b in s.strays]
@@ -453,9 +435,7 @@ def clear(root: Root, model: str | None = None) -> dict:
     with opened(root) as dirs:
         s = scan(dirs)
         victims, mids = plan_clear(s, model)
-        pages = [
-            v for v in victims if v[0] == "pages" and page_name_of(v[1]) is not None
-        ]
+        pages = [v for v in victims if v[0] == "pages" and page_name_of(v[1]) is not None]
         removed, freed = remove(dirs, pages)
         others, freed_others = remove(dirs, [v for v in victims if v not in pages])
         tmp = writers.sweep_tmp(dirs)

@@ -339,8 +339,7 @@ class IOEngine:
             return self.threads
         return min(self.threads, self._cpus)
 
-    def _run(self, pages: list[_Page], task: Callable[[_Page, int], None],
-             finalize: Callable[[_Page], None]) -> None:
+    def _run(self, pages: list[_Page], task: Callable[[_Page, int], None], finalize: Callable[[_Page], None]) -> None:
         """Run every block of every page; the last block of a page finalizes it
         in the same worker (so fdatasync/rename run in parallel). Workers take
         blocks off one list (no per-block future or hand-off); the caller is
@@ -531,8 +530,9 @@ class IOEngine:
                 # Truncated, zero-length or foreign: decided without reading.
                 self._discard_read(page)
                 what = "zero-length" if st.st_size == 0 else f"{st.st_size} bytes"
-                results[idx] = IOResult(False, "size", f"{what}, expected {hlen + job.payload_len}",
-                                        corrupt=True, file_id=page.file_id)
+                results[idx] = IOResult(
+                    False, "size", f"{what}, expected {hlen + job.payload_len}", corrupt=True, file_id=page.file_id
+                )
                 continue
             pages.append(page)
         if not pages:

@@ -41,8 +41,7 @@ def tensor_runs(t: torch.Tensor) -> list[Run]:
         if x.numel() == 0:
             return
         if x.is_contiguous():
-            out.append((x.untyped_storage(), x.storage_offset() * x.element_size(),
-                        x.numel() * x.element_size()))
+            out.append((x.untyped_storage(), x.storage_offset() * x.element_size(), x.numel() * x.element_size()))
             return
         for i in range(x.shape[0]):
             walk(x[i])
@@ -102,8 +101,12 @@ class PageMap:
                     comps = [(_dtype_name(v.dtype), tuple(v.shape)) for v in views]
                     self._template = self._build_template(runs)
                 else:
-                    logger.warning("sglang-l3 store: pool %s page views hold %d bytes, flat page %d; "
-                                   "using the copy path", name, sum(n for _, _, n in runs), self.flat_bytes)
+                    logger.warning(
+                        "sglang-l3 store: pool %s page views hold %d bytes, flat page %d; using the copy path",
+                        name,
+                        sum(n for _, _, n in runs),
+                        self.flat_bytes,
+                    )
         except Exception as e:  # unknown pool shape: copy path is always correct
             logger.info("sglang-l3 store: pool %s has no zero-copy page views (%s)", name, e)
         if not self.zero_copy:
@@ -172,8 +175,9 @@ class PageMap:
         if self.zero_copy:
             return Target(self._runs(index))
         staging = self.pool.get_dummy_flat_data_page()
-        return Target(flat_tensor_target(staging),
-                      commit=lambda: self.pool.set_from_flat_data_page(index, staging), keep=staging)
+        return Target(
+            flat_tensor_target(staging), commit=lambda: self.pool.set_from_flat_data_page(index, staging), keep=staging
+        )
 
 
 def flat_tensor_target(t: torch.Tensor) -> list[memoryview]:

@@ -80,9 +80,7 @@ class SessionRetention:
                 )
         self._thread: threading.Thread | None = None
         if self.writer:
-            self._thread = threading.Thread(
-                target=self._writer_loop, name="sglang-l3-sessions", daemon=True
-            )
+            self._thread = threading.Thread(target=self._writer_loop, name="sglang-l3-sessions", daemon=True)
             self._thread.start()
 
     # ------------------------------------------------------------ registry
@@ -107,15 +105,11 @@ class SessionRetention:
         self._version += 1
         closed = [r for r in self._sessions.values() if not r.open]
         if len(closed) > MAX_CLOSED:
-            for r in sorted(closed, key=lambda r: r.last_use)[
-                : len(closed) - MAX_CLOSED
-            ]:
+            for r in sorted(closed, key=lambda r: r.last_use)[: len(closed) - MAX_CLOSED]:
                 self._unindex(r.id)
         self._wake.set()
 
-    def on_turn(
-        self, sid: str, keys: list[str], tokens: int, priority: int | None = None
-    ) -> bool:
+    def on_turn(self, sid: str, keys: list[str], tokens: int, priority: int | None = None) -> bool:
         """A request of session sid finished: keys is its context's chain."""
         if not valid_session_id(sid):
             return False
@@ -125,11 +119,7 @@ class SessionRetention:
             # A closed session stays closed (a late finish after /close_session
             # must not re-protect it); /open_session reopens it.
             is_open = old.open if old is not None else True
-            self._put(
-                SessionRecord(
-                    sid, list(keys), int(tokens), int(prio), self._now(), is_open
-                )
-            )
+            self._put(SessionRecord(sid, list(keys), int(tokens), int(prio), self._now(), is_open))
             self._changed()
         l3_metrics.inc("session_turns")
         return True
@@ -182,20 +172,12 @@ class SessionRetention:
     def get(self, sid: str) -> SessionRecord | None:
         with self._lock:
             r = self._sessions.get(sid)
-            return (
-                None
-                if r is None
-                else SessionRecord(
-                    r.id, list(r.keys), r.tokens, r.priority, r.last_use, r.open
-                )
-            )
+            return None if r is None else SessionRecord(r.id, list(r.keys), r.tokens, r.priority, r.last_use, r.open)
 
     def records(self) -> list[SessionRecord]:
         with self._lock:
             return [
-                SessionRecord(
-                    r.id, list(r.keys), r.tokens, r.priority, r.last_use, r.open
-                )
+                SessionRecord(r.id, list(r.keys), r.tokens, r.priority, r.last_use, r.open)
                 for r in self._sessions.values()
             ]
 
@@ -209,11 +191,7 @@ class SessionRetention:
         best: tuple | None = None
         for sid, depth in owners.items():
             r = self._sessions[sid]
-            t = (
-                (OPEN, r.priority, r.last_use, -depth)
-                if r.open
-                else (CLOSED, 0, r.last_use, -depth)
-            )
+            t = (OPEN, r.priority, r.last_use, -depth) if r.open else (CLOSED, 0, r.last_use, -depth)
             if best is None or t > best:
                 best = t
         assert best is not None
@@ -268,17 +246,13 @@ class SessionRetention:
                 if version == self._saved_version:
                     return True
                 snap = [
-                    SessionRecord(
-                        r.id, list(r.keys), r.tokens, r.priority, r.last_use, r.open
-                    )
+                    SessionRecord(r.id, list(r.keys), r.tokens, r.priority, r.last_use, r.open)
                     for r in self._sessions.values()
                 ]
             try:
                 table.save(self.dirs, self.mid, snap)
             except OSError as e:
-                logger.warning(
-                    "sglang-l3 sessions: cannot write the session table: %s", e
-                )
+                logger.warning("sglang-l3 sessions: cannot write the session table: %s", e)
                 l3_metrics.inc("session_table_errors")
                 return False
             self._saved_version = version
@@ -304,9 +278,7 @@ def open_retention(dirs: Any, mid: str, shard: Any) -> SessionRetention:
     return SessionRetention(dirs, mid, writer=writer)
 
 
-def make_session_evictor(
-    base: type, retention: SessionRetention, counters: Any
-) -> type:
+def make_session_evictor(base: type, retention: SessionRetention, counters: Any) -> type:
     """Subclass of upstream's LRUFileEvictor whose victims follow the session
     classes; everything else (reserve/commit/abort/touch, the cap, the
     free-space floor, pending-write protection) is upstream's."""
@@ -329,9 +301,7 @@ def make_session_evictor(
                 except FileNotFoundError:
                     freed = 0
                 except OSError as e:
-                    logger.warning(
-                        "sglang-l3 store: eviction of %s failed: %s", stem, e
-                    )
+                    logger.warning("sglang-l3 store: eviction of %s failed: %s", stem, e)
                     break
                 del self._lru[stem]
                 self._total_bytes -= size

@@ -28,9 +28,7 @@ from typing import Self, Union
 
 KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 POOL_RE = re.compile(r"[a-z0-9_]{1,48}")
-MID_RE = re.compile(
-    r"[0-9a-f]{12}"
-)  # model identity digest (identity.ModelIdentity.digest)
+MID_RE = re.compile(r"[0-9a-f]{12}")  # model identity digest (identity.ModelIdentity.digest)
 # A file name inside a store subdirectory: one component, printable ASCII, no separators.
 NAME_RE = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.@+=-]{1,255}")
 # `store --model`: a model digest prefix or a served model name (an HF id or a path;
@@ -111,9 +109,7 @@ def _kind_of(st: os.stat_result) -> str:
     return "a special file (FIFO, socket or device)"
 
 
-def _check_stat(
-    path: PathLike, st: os.stat_result, *, what: str = "store directory"
-) -> None:
+def _check_stat(path: PathLike, st: os.stat_result, *, what: str = "store directory") -> None:
     """The one owner/mode rule, for the root and every subdirectory."""
     if not stat.S_ISDIR(st.st_mode):
         if stat.S_ISLNK(st.st_mode):
@@ -150,9 +146,7 @@ def check_dir(path: PathLike, *, follow: bool = True) -> None:
     except FileNotFoundError as e:
         raise UnsafeStoreError(f"store directory {path} does not exist") from e
     except NotADirectoryError as e:
-        raise UnsafeStoreError(
-            f"store path {path} lies under a file, not a directory"
-        ) from e
+        raise UnsafeStoreError(f"store path {path} lies under a file, not a directory") from e
     _check_stat(path, st)
 
 
@@ -164,11 +158,7 @@ def _check_ancestors(path: Path) -> None:
         except OSError:
             continue
         mode = stat.S_IMODE(st.st_mode)
-        if (
-            mode & stat.S_IWOTH
-            and not mode & stat.S_ISVTX
-            and st.st_uid != os.geteuid()
-        ):
+        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX and st.st_uid != os.geteuid():
             raise UnsafeStoreError(
                 f"store directory {path} lies under {parent}, which is world-writable "
                 f"without the sticky bit (mode {mode:04o}); another user could replace "
@@ -212,9 +202,7 @@ def ensure_store_dir(root: PathLike, subdirs: Iterable[str] = SUBDIRS) -> Path:
     old = os.umask(0o077)
     try:
         if os.path.lexists(root) and not os.path.isdir(root):
-            check_dir(
-                root
-            )  # a regular file / dangling link: a clear error, not FileExistsError
+            check_dir(root)  # a regular file / dangling link: a clear error, not FileExistsError
         try:
             os.makedirs(root, mode=0o700, exist_ok=True)
         except PermissionError as e:
@@ -240,9 +228,7 @@ def _fstat_dir_ok(fd: int, path: PathLike, what: str) -> None:
     _check_stat(path, os.fstat(fd), what=what)
 
 
-def open_file(
-    dir_fd: int, name: str, flags: int = os.O_RDONLY, mode: int = 0o600
-) -> int:
+def open_file(dir_fd: int, name: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
     """Open `name` inside an opened store directory: never through a link, only
     a regular file owned by us. Creation always uses O_EXCL. Raises
     UnsafeFileError (an OSError) for a link / directory / special / foreign
@@ -253,9 +239,7 @@ def open_file(
         flags |= os.O_EXCL
     try:
         # O_NONBLOCK: opening a FIFO planted at the name must not hang (no effect on files).
-        fd = os.open(
-            name, flags | _O_NOFOLLOW | _O_CLOEXEC | _O_NONBLOCK, mode, dir_fd=dir_fd
-        )
+        fd = os.open(name, flags | _O_NOFOLLOW | _O_CLOEXEC | _O_NONBLOCK, mode, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UnsafeFileError("link", name, "a symbolic link") from e
@@ -303,13 +287,9 @@ class StoreDirs:
     their descriptors: a directory swapped after the check cannot redirect IO.
     Every helper here is relative to these descriptors and follows no link."""
 
-    def __init__(
-        self, root: PathLike, subdirs: Iterable[str] = SUBDIRS, *, create: bool = True
-    ):
+    def __init__(self, root: PathLike, subdirs: Iterable[str] = SUBDIRS, *, create: bool = True):
         subdirs = tuple(subdirs)
-        self.root = (
-            ensure_store_dir(root, subdirs) if create else check_store(root, subdirs)
-        )
+        self.root = ensure_store_dir(root, subdirs) if create else check_store(root, subdirs)
         self.root_fd = os.open(self.root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
         self._fds: dict[str, int] = {}
         try:
@@ -326,9 +306,7 @@ class StoreDirs:
                         raise
                     continue
                 except OSError as e:  # ELOOP / ENOTDIR: swapped since the check
-                    raise UnsafeStoreError(
-                        f"store subdirectory {self.root / sub} is not a directory: {e}"
-                    ) from e
+                    raise UnsafeStoreError(f"store subdirectory {self.root / sub} is not a directory: {e}") from e
                 self._fds[sub] = fd
                 _fstat_dir_ok(fd, self.root / sub, "store subdirectory")
         except BaseException:
@@ -342,13 +320,9 @@ class StoreDirs:
         return self._fds[sub]
 
     def path(self, sub: str, name: str = "") -> str:
-        return (
-            os.path.join(self.root, sub, name) if name else os.path.join(self.root, sub)
-        )
+        return os.path.join(self.root, sub, name) if name else os.path.join(self.root, sub)
 
-    def open_file(
-        self, sub: str, name: str, flags: int = os.O_RDONLY, mode: int = 0o600
-    ) -> int:
+    def open_file(self, sub: str, name: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
         return open_file(self._fds[sub], name, flags, mode)
 
     def classify(self, sub: str, name: str) -> tuple[str, os.stat_result | None]:
@@ -375,9 +349,7 @@ class StoreDirs:
         finally:
             os.close(fd)
 
-    def replace_file(
-        self, sub: str, name: str, data: bytes, *, durable: bool = False
-    ) -> None:
+    def replace_file(self, sub: str, name: str, data: bytes, *, durable: bool = False) -> None:
         """Atomically (re)place `sub/name` with `data`: a fresh O_EXCL file in
         tmp/ named `<pid>-…` (so a dead writer's leftover is recognised), then
         renamed over the name (rename replaces a link, never follows it)."""
@@ -429,18 +401,14 @@ class StoreDirs:
         self.close()
 
 
-def read_store_file(
-    root: PathLike, sub: str, name: str, max_bytes: int = 64 << 20
-) -> bytes | None:
+def read_store_file(root: PathLike, sub: str, name: str, max_bytes: int = 64 << 20) -> bytes | None:
     """One-off safe read of `<root>/<sub>/<name>` (a table kept in the store):
     the store is checked like the server checks it; None when absent or unsafe."""
     with StoreDirs(root, (sub,), create=False) as dirs:
         return dirs.read_file(sub, name, max_bytes) if dirs.has(sub) else None
 
 
-def replace_store_file(
-    root: PathLike, sub: str, name: str, data: bytes, *, durable: bool = False
-) -> None:
+def replace_store_file(root: PathLike, sub: str, name: str, data: bytes, *, durable: bool = False) -> None:
     """One-off atomic write of `<root>/<sub>/<name>` (creating `sub` 0700 if needed)."""
     with StoreDirs(root, (*SUBDIRS, sub)) as dirs:
         dirs.replace_file(sub, name, data, durable=durable)

@@ -40,9 +40,7 @@ class TableError(ValueError):
 @dataclass
 class SessionRecord:
     id: str
-    keys: list[str] = field(
-        default_factory=list
-    )  # page-key chain of the latest context
+    keys: list[str] = field(default_factory=list)  # page-key chain of the latest context
     tokens: int = 0
     priority: int = 0  # larger = retained longer among open sessions
     last_use: float = 0.0  # wall-clock seconds
@@ -66,14 +64,10 @@ def read_table_bytes(dirs: StoreDirs, name: str) -> bytes | None:
     if kind == "missing":
         return None
     if kind != "file":
-        raise TableError(
-            f"{dirs.path('models', name)} is a {kind}, not a table of ours"
-        )
+        raise TableError(f"{dirs.path('models', name)} is a {kind}, not a table of ours")
     data = dirs.read_file("models", name, MAX_TABLE_BYTES)
     if data is None:
-        raise TableError(
-            f"{dirs.path('models', name)} is unreadable or over {MAX_TABLE_BYTES} bytes"
-        )
+        raise TableError(f"{dirs.path('models', name)} is unreadable or over {MAX_TABLE_BYTES} bytes")
     return data
 
 
@@ -144,13 +138,9 @@ def decode(data: bytes, mid: str | None) -> tuple[str, list[SessionRecord]]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise TableError("not a sglang-l3 session table")
     if doc.get("version") != VERSION:
-        raise TableError(
-            f"table version {doc.get('version')!r}, this build reads {VERSION}"
-        )
+        raise TableError(f"table version {doc.get('version')!r}, this build reads {VERSION}")
     if mid is not None and doc.get("mid") != mid:
-        raise TableError(
-            f"table of another model identity ({doc.get('mid')!r}, serving {mid!r})"
-        )
+        raise TableError(f"table of another model identity ({doc.get('mid')!r}, serving {mid!r})")
     sessions = doc.get("sessions")
     if not isinstance(sessions, list):
         raise TableError("sessions is not a list")

@@ -34,9 +34,7 @@ def add_parser(subparsers: Any) -> None:
         description="List, inspect and drop the sessions an L3 store retains.",
     )
     p.add_argument("--dir", help="store directory (default: as for `sglang-l3 store`)")
-    p.add_argument(
-        "--url", help="a running server (http://host:port): ls/show through it"
-    )
+    p.add_argument("--url", help="a running server (http://host:port): ls/show through it")
     sub = p.add_subparsers(dest="sessions_cmd", required=True)
     s = sub.add_parser("ls", help="one line per session")
     s.add_argument("--model", help="model digest prefix or model name")
@@ -45,9 +43,7 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("id")
     s.add_argument("--model", help="model digest prefix or model name")
     s.add_argument("--json", action="store_true")
-    s = sub.add_parser(
-        "drop", help="forget a session (its pages become plain, evicted first)"
-    )
+    s = sub.add_parser("drop", help="forget a session (its pages become plain, evicted first)")
     s.add_argument("id")
     s.add_argument("--model", help="model digest prefix or model name")
     p.set_defaults(func=run)
@@ -75,9 +71,7 @@ def _rows(root: str, model: str | None) -> list[dict[str, Any]]:
         tables = []
         for name in names:
             try:
-                tables.append(
-                    table.decode(table.read_table_bytes(dirs, name) or b"", None)
-                )
+                tables.append(table.decode(table.read_table_bytes(dirs, name) or b"", None))
             except (table.TableError, OSError) as e:
                 out.append({"table": dirs.path("models", name), "error": str(e)})
     for mid, records in tables:
@@ -183,12 +177,8 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(r, indent=1))
                 continue
-            print(
-                f"session {r['id']} ({r['state']}, priority {r['priority']}) model {r['mid']} ({r['model']})"
-            )
-            print(
-                f"  context: {r['tokens']} tokens, {r['chain_pages']} pages in its chain"
-            )
+            print(f"session {r['id']} ({r['state']}, priority {r['priority']}) model {r['mid']} ({r['model']})")
+            print(f"  context: {r['tokens']} tokens, {r['chain_pages']} pages in its chain")
             print(
                 f"  on disk: {r['stored_pages']} KV pages, restorable prefix {r['restorable_pages']} pages, "
                 f"{fmt_bytes(r['bytes'])} (all pools)"

@@ -131,10 +131,15 @@ class PageStore:
             self._sweeper = threading.Thread(target=self._sweep_strays, name="sglang-l3-sweep", daemon=True)
             self._sweeper.start()
         logger.info(
-            "sglang-l3 store at %s (model %s, shard %s): odirect=%s durability=%s threads=%d "
-            "cap/rank=%s min_free=%s",
-            self.root, self.mid, shard.name(), self.odirect, settings.durability,
-            settings.io_threads, self.max_bytes_rank or "none", self.min_free_bytes,
+            "sglang-l3 store at %s (model %s, shard %s): odirect=%s durability=%s threads=%d cap/rank=%s min_free=%s",
+            self.root,
+            self.mid,
+            shard.name(),
+            self.odirect,
+            settings.durability,
+            settings.io_threads,
+            self.max_bytes_rank or "none",
+            self.min_free_bytes,
         )
 
     # ------------------------------------------------------------- start-up
@@ -198,12 +203,10 @@ class PageStore:
             raise ValueError(f"invalid pool name {layout.pool!r}")
         if layout.payload_bytes <= 0:
             raise ValueError(f"pool {layout.pool!r} has an empty page")
-        return PoolSpec(layout, layout.digest(), replicated, layout.payload_bytes,
-                        file_len_for(layout.payload_bytes))
+        return PoolSpec(layout, layout.digest(), replicated, layout.payload_bytes, file_len_for(layout.payload_bytes))
 
     def page_name(self, key: str, spec: PoolSpec) -> PageName:
-        return PageName(key, spec.layout.pool, spec.digest, self.mid,
-                        self.shard.name(replicated=spec.replicated))
+        return PageName(key, spec.layout.pool, spec.digest, self.mid, self.shard.name(replicated=spec.replicated))
 
     def path_of(self, key: str, spec: PoolSpec) -> str:
         return os.path.join(self.pages_dir, self.page_name(key, spec).filename)
@@ -231,8 +234,9 @@ class PageStore:
                 out.append(False)
                 continue
             if kind != "file" or st.st_size != spec.file_len:
-                self.quarantine(os.path.join(self.pages_dir, name), "size" if kind == "file" else kind,
-                                (st.st_dev, st.st_ino))
+                self.quarantine(
+                    os.path.join(self.pages_dir, name), "size" if kind == "file" else kind, (st.st_dev, st.st_ino)
+                )
                 out.append(False)
                 continue
             out.append(True)
@@ -285,8 +289,12 @@ class PageStore:
                 if self.evictor is not None and self._owned(items[i].spec):
                     self.evictor.touch(name.stem, job.path)
             elif r.corrupt:
-                logger.warning("sglang-l3 store: page %s is unusable (%s: %s); treated as a miss",
-                               name.filename, r.status, r.detail)
+                logger.warning(
+                    "sglang-l3 store: page %s is unusable (%s: %s); treated as a miss",
+                    name.filename,
+                    r.status,
+                    r.detail,
+                )
                 self.quarantine(job.path, r.status, r.file_id)
             elif r.status == "missing":
                 self.counters.inc("read_missing")
@@ -322,9 +330,15 @@ class PageStore:
             admit = None
             if owned:
                 admit = (lambda stem, n, k: lambda: self.evictor.reserve(stem, n, key=k))(
-                    name.stem, it.spec.file_len, it.key)
-            meta = dict(self._page_meta(it.spec, name.shard), key=it.key, prior=it.prior, depth=it.depth,
-                        created=round(time.time(), 3))
+                    name.stem, it.spec.file_len, it.key
+                )
+            meta = dict(
+                self._page_meta(it.spec, name.shard),
+                key=it.key,
+                prior=it.prior,
+                depth=it.depth,
+                created=round(time.time(), 3),
+            )
             jobs.append(WriteJob(path, it.runs, it.spec.payload_len, meta, admit))
             where.append((i, name, owned))
         t0 = time.perf_counter()
@@ -350,8 +364,7 @@ class PageStore:
                 self.evictor.abort(name.stem)
             if r.status == "enospc":
                 self.counters.inc("write_enospc")
-                logger.warning("sglang-l3 store: disk full writing %s; page dropped, serving continues",
-                               name.filename)
+                logger.warning("sglang-l3 store: disk full writing %s; page dropped, serving continues", name.filename)
             else:
                 self.counters.inc("write_errors")
                 logger.warning("sglang-l3 store: write of %s failed: %s", name.filename, r.detail)
@@ -417,8 +430,7 @@ class PageStore:
                         st = os.stat(name, dir_fd=qfd, follow_symlinks=False)
                     except OSError:
                         continue
-                    entries.append((name, st.st_size if stat.S_ISREG(st.st_mode) else 0,
-                                    stat.S_ISDIR(st.st_mode)))
+                    entries.append((name, st.st_size if stat.S_ISREG(st.st_mode) else 0, stat.S_ISDIR(st.st_mode)))
                 entries.sort()  # names start with a timestamp: oldest first
                 total = sum(s for _, s, _ in entries)
                 for name, size, is_dir in entries:

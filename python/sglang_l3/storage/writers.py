@@ -20,12 +20,8 @@ import time
 from sglang_l3.storage.safety import StoreDirs, UnsafeFileError
 
 _MAX_AGE_S = 24 * 3600
-_FOREIGN_MIN_AGE_S = (
-    60  # a tmp name without a pid: junk, but give a racing creator a minute
-)
-_held: dict[
-    tuple[int, int, int], list[int]
-] = {}  # (pid, st_dev, st_ino of locks/) -> [fd, users]
+_FOREIGN_MIN_AGE_S = 60  # a tmp name without a pid: junk, but give a racing creator a minute
+_held: dict[tuple[int, int, int], list[int]] = {}  # (pid, st_dev, st_ino of locks/) -> [fd, users]
 _lock = threading.Lock()
 
 
@@ -86,19 +82,13 @@ def _take(dirs: StoreDirs, pid: int) -> int:
                 fd = dirs.open_file("locks", name, os.O_RDWR)
             except FileNotFoundError:
                 continue
-            except (
-                UnsafeFileError
-            ):  # a link / special file at our lock's name: remove it, retry
+            except UnsafeFileError:  # a link / special file at our lock's name: remove it, retry
                 dirs.remove("locks", name)
                 continue
         fcntl.flock(fd, fcntl.LOCK_SH)
         kind, now = dirs.classify("locks", name)
         mine = os.fstat(fd)
-        if (
-            kind == "file"
-            and now is not None
-            and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
-        ):
+        if kind == "file" and now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
             return fd
         os.close(fd)  # a cleaner removed the file between our open and our lock: retry
     raise OSError(f"cannot take the writer lock {dirs.path('locks', name)}")

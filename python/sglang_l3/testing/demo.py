@@ -45,8 +45,10 @@ def latency_summary(rows: list[Row]) -> str:
     small = [r.seconds for r in rows if r.bytes <= SMALL_RESTORE_BYTES]
     if not small:
         return "no restore of <= 4 MiB in this run"
-    return (f"fixed latency: p50 {statistics.median(small) * 1e3:.1f} ms per restore "
-            f"[{min(small) * 1e3:.1f}..{max(small) * 1e3:.1f}] over {len(small)} restores of <= 4 MiB")
+    return (
+        f"fixed latency: p50 {statistics.median(small) * 1e3:.1f} ms per restore "
+        f"[{min(small) * 1e3:.1f}..{max(small) * 1e3:.1f}] over {len(small)} restores of <= 4 MiB"
+    )
 
 
 def _say(msg: str) -> None:
@@ -92,7 +94,9 @@ def _restore_all(st: L3Stack, ctxs: dict[str, list[int]], snaps: dict, phase: st
         )
         rows.append(Row(phase, name, loaded, restored_bytes(st, loaded), dt, ok))
         st.release(req)
-        _say(f"  {phase:8s} {name}: {loaded} tokens restored in {dt * 1e3:.1f} ms — {'bit-exact' if ok else 'MISMATCH'}")
+        _say(
+            f"  {phase:8s} {name}: {loaded} tokens restored in {dt * 1e3:.1f} ms — {'bit-exact' if ok else 'MISMATCH'}"
+        )
     return rows
 
 
@@ -127,10 +131,12 @@ def run(store: str, n_agents: int, page: int, system_tokens: int) -> int:
         )
     bad = [r for r in rows if not r.exact]
     _say(f"{len(rows) - len(bad)}/{len(rows)} restores bit-exact; {latency_summary(rows)}")
-    _say("What the numbers mean: a restore of a few MiB costs a fixed latency (L3 lookup, hand-offs "
-         "between the scheduler and the prefetch/IO threads, the copy to the device), not disk "
-         f"bandwidth, so GB/s is shown only from {BANDWIDTH_MIN_BYTES >> 20} MiB up; `make bench` "
-         "measures bandwidth.")
+    _say(
+        "What the numbers mean: a restore of a few MiB costs a fixed latency (L3 lookup, hand-offs "
+        "between the scheduler and the prefetch/IO threads, the copy to the device), not disk "
+        f"bandwidth, so GB/s is shown only from {BANDWIDTH_MIN_BYTES >> 20} MiB up; `make bench` "
+        "measures bandwidth."
+    )
     return 1 if bad else 0
 
 

@@ -40,18 +40,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system-tokens", type=int, default=600, help="per-agent system prompt length")
     ap.add_argument("--user-tokens", type=int, default=64, help="new tokens per user message")
     ap.add_argument("--reply-tokens", type=int, default=16, help="greedy reply length")
-    ap.add_argument("--device-pool", type=int, default=1024,
-                    help="device KV pool in tokens (small: agents evict each other)")
+    ap.add_argument(
+        "--device-pool", type=int, default=1024, help="device KV pool in tokens (small: agents evict each other)"
+    )
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--chunked-prefill-size", type=int, default=256)
     ap.add_argument("--prefetch-threshold", type=int, default=64)
-    ap.add_argument("--probe-tokens", type=int, default=0,
-                    help="after the agents: TTFT of an N-token prompt computed vs restored from L3")
+    ap.add_argument(
+        "--probe-tokens",
+        type=int,
+        default=0,
+        help="after the agents: TTFT of an N-token prompt computed vs restored from L3",
+    )
     ap.add_argument("--probe-repeats", type=int, default=3)
-    ap.add_argument("--control-repeats", type=int, default=3,
-                    help="unseen same-length prompts per turn for the 'nothing cached' column (median)")
-    ap.add_argument("--log", default=None,
-                    help="server log file (default: a temp file, removed unless the demo fails)")
+    ap.add_argument(
+        "--control-repeats",
+        type=int,
+        default=3,
+        help="unseen same-length prompts per turn for the 'nothing cached' column (median)",
+    )
+    ap.add_argument("--log", default=None, help="server log file (default: a temp file, removed unless the demo fails)")
     args = ap.parse_args(argv)
 
     store = Path(args.store).resolve()
@@ -106,7 +114,9 @@ def _run(args: argparse.Namespace, store: Path, log: Path) -> int:
 def _converse(server: Server, args: argparse.Namespace) -> None:
     history = {a: prompt(7000 + a, args.system_tokens) for a in range(1, args.agents + 1)}
     rows = []
-    header = f"{'agent':>5} {'turn':>4} {'prompt':>6}  {'prefix came from':<24} {'TTFT':>8}  {'TTFT, nothing cached':>20}"
+    header = (
+        f"{'agent':>5} {'turn':>4} {'prompt':>6}  {'prefix came from':<24} {'TTFT':>8}  {'TTFT, nothing cached':>20}"
+    )
     print(header)
     print("-" * len(header))
     control_seed = 90_000
@@ -123,19 +133,26 @@ def _converse(server: Server, args: argparse.Namespace) -> None:
                 controls.append(server.generate(prompt(control_seed, len(ids)), 1))
             c = sorted(controls, key=lambda x: x.ttft_s)[len(controls) // 2]
             rows.append((g, c))
-            print(f"{agent:>5} {turn:>4} {len(ids):>6}  {g.source:<24} {g.ttft_s * 1e3:>6.0f} ms"
-                  f"  {c.ttft_s * 1e3:>17.0f} ms", flush=True)
+            print(
+                f"{agent:>5} {turn:>4} {len(ids):>6}  {g.source:<24} {g.ttft_s * 1e3:>6.0f} ms"
+                f"  {c.ttft_s * 1e3:>17.0f} ms",
+                flush=True,
+            )
     l3 = [(g, c) for g, c in rows if g.cached_storage > 0]
     device = [(g, c) for g, c in rows if g.cached_device > 0 and g.cached_storage == 0]
     print()
-    print(f"turns: {len(rows)}; prefix from L3: {len(l3)}; from the device only: {len(device)}; "
-          f"nothing reused: {len(rows) - len(l3) - len(device)}")
+    print(
+        f"turns: {len(rows)}; prefix from L3: {len(l3)}; from the device only: {len(device)}; "
+        f"nothing reused: {len(rows) - len(l3) - len(device)}"
+    )
     if l3:
         hit = statistics.median(g.ttft_s for g, _ in l3)
         cold = statistics.median(c.ttft_s for _, c in l3)
         restored = statistics.median(g.cached_storage for g, _ in l3)
-        print(f"median TTFT with an L3 hit: {hit * 1e3:.0f} ms; same-length prompt computed: "
-              f"{cold * 1e3:.0f} ms ({cold / hit:.1f}x); median tokens restored: {restored:.0f}")
+        print(
+            f"median TTFT with an L3 hit: {hit * 1e3:.0f} ms; same-length prompt computed: "
+            f"{cold * 1e3:.0f} ms ({cold / hit:.1f}x); median tokens restored: {restored:.0f}"
+        )
 
 
 def _probe(server: Server, n: int, repeats: int) -> None:

@@ -77,9 +77,7 @@ def unavailable_reason() -> str | None:
 class _Proc:
     """One binary in a session of its own, logged to a file, stopped by PID."""
 
-    def __init__(
-        self, argv: list[str], log_path: Path, env: dict[str, str] | None = None
-    ):
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.argv = argv
         self.log_path = log_path
         self.env = env
@@ -122,9 +120,7 @@ class _Proc:
 
     def log_tail(self, n: int = 30) -> str:
         try:
-            return "\n".join(
-                self.log_path.read_text(errors="replace").splitlines()[-n:]
-            )
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except FileNotFoundError:
             return ""
 
@@ -152,9 +148,7 @@ _SS_USER = re.compile(r'\("(?P<name>[^"]+)",pid=(?P<pid>\d+)')
 
 def listeners(pids: set[int] | None = None) -> list[Listener]:
     """TCP listening sockets (from `ss -ltnpH`), optionally only these PIDs'."""
-    out = subprocess.run(
-        ["ss", "-ltnpH"], capture_output=True, text=True, timeout=30, check=True
-    ).stdout
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=30, check=True).stdout
     found: list[Listener] = []
     for line in out.splitlines():
         m = _SS_LINE.match(line.strip())
@@ -164,9 +158,7 @@ def listeners(pids: set[int] | None = None) -> list[Listener]:
         for u in _SS_USER.finditer(m.group("users")):
             pid = int(u.group("pid"))
             if pids is None or pid in pids:
-                found.append(
-                    Listener(addr.split("%")[0], int(port), pid, u.group("name"))
-                )
+                found.append(Listener(addr.split("%")[0], int(port), pid, u.group("name")))
     return found
 
 
@@ -220,9 +212,7 @@ class MooncakeCluster:
         self.node_port = free_port()
         self.master = _Proc(self._master_argv(), self.workdir / "mooncake_master.log")
         self.node: _Proc | None = (
-            _Proc(self._node_argv(), self.workdir / "mooncake_storage_node.log")
-            if storage_node
-            else None
+            _Proc(self._node_argv(), self.workdir / "mooncake_storage_node.log") if storage_node else None
         )
 
     @property
@@ -286,9 +276,7 @@ class MooncakeCluster:
 
     def master_ready(self) -> bool:
         try:
-            return '"service_ready":true' in _http_get(
-                f"http://127.0.0.1:{self.metrics_port}/health"
-            ).replace(" ", "")
+            return '"service_ready":true' in _http_get(f"http://127.0.0.1:{self.metrics_port}/health").replace(" ", "")
         except OSError:
             return False
 
@@ -303,9 +291,7 @@ class MooncakeCluster:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if not proc.alive():
-                raise MooncakeError(
-                    f"{proc.argv[0]} exited while waiting for {what}:\n{proc.log_tail()}"
-                )
+                raise MooncakeError(f"{proc.argv[0]} exited while waiting for {what}:\n{proc.log_tail()}")
             if cond():
                 return
             time.sleep(0.2)
@@ -324,11 +310,7 @@ class MooncakeCluster:
         self.master.stop()
 
     def pids(self) -> set[int]:
-        return {
-            p
-            for p in (self.master.pid, self.node.pid if self.node else None)
-            if p is not None
-        }
+        return {p for p in (self.master.pid, self.node.pid if self.node else None) if p is not None}
 
     def master_listeners(self) -> list[Listener]:
         return listeners({self.master.pid} if self.master.pid else set())
@@ -343,9 +325,12 @@ class MooncakeCluster:
 def transfer_engine_listener(lst: Listener) -> bool:
     """A listener that Mooncake's transfer engine opens on all interfaces and
     that no option narrows (see the module docstring)."""
-    return lst.process.startswith(
-        ("mooncake_client", "python", "sglang")
-    ) and lst.address in ("0.0.0.0", "*", "[::]", "::")
+    return lst.process.startswith(("mooncake_client", "python", "sglang")) and lst.address in (
+        "0.0.0.0",
+        "*",
+        "[::]",
+        "::",
+    )
 
 
 def client(cluster: MooncakeCluster) -> Any:
@@ -353,9 +338,7 @@ def client(cluster: MooncakeCluster) -> Any:
     from mooncake.store import MooncakeDistributedStore
 
     s = MooncakeDistributedStore()
-    rc = s.setup(
-        "127.0.0.1", METADATA, 0, 16 << 20, PROTOCOL, "", cluster.master_address
-    )
+    rc = s.setup("127.0.0.1", METADATA, 0, 16 << 20, PROTOCOL, "", cluster.master_address)
     if rc:
         raise MooncakeError(f"client setup failed: {rc}")
     return s

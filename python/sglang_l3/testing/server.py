@@ -74,8 +74,7 @@ def omp_threads_bind(ranks: int) -> str:
         lo, hi = r * len(cores) // ranks, (r + 1) * len(cores) // ranks
         mine = cores[lo:hi] or [cores[r % len(cores)]]
         contiguous = mine == list(range(mine[0], mine[-1] + 1))
-        parts.append(f"{mine[0]}-{mine[-1]}" if contiguous and len(mine) > 1
-                     else ",".join(str(c) for c in mine))
+        parts.append(f"{mine[0]}-{mine[-1]}" if contiguous and len(mine) > 1 else ",".join(str(c) for c in mine))
     return "|".join(parts)
 
 
@@ -115,15 +114,23 @@ class ServerConfig:
 
     def args(self, port: int) -> list[str]:
         a = [
-            "--model-path", str(TINY_MODEL_DIR),
-            "--load-format", "dummy",
+            "--model-path",
+            str(TINY_MODEL_DIR),
+            "--load-format",
+            "dummy",
             "--skip-tokenizer-init",
-            "--device", self.device,
-            "--host", "127.0.0.1",
-            "--port", str(port),
-            "--max-running-requests", str(self.max_running_requests),
-            "--max-mamba-cache-size", str(self.max_mamba_cache_size),
-            "--mamba-radix-cache-strategy", "extra_buffer",
+            "--device",
+            self.device,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-running-requests",
+            str(self.max_running_requests),
+            "--max-mamba-cache-size",
+            str(self.max_mamba_cache_size),
+            "--mamba-radix-cache-strategy",
+            "extra_buffer",
             "--disable-overlap-schedule",
         ]
         if self.max_total_tokens is not None:
@@ -143,11 +150,14 @@ class ServerConfig:
         if self.hicache:
             a += [
                 "--enable-hierarchical-cache",
-                "--hicache-storage-backend", self.storage_backend,
-                "--hicache-mem-layout", "buffer_only",
+                "--hicache-storage-backend",
+                self.storage_backend,
+                "--hicache-mem-layout",
+                "buffer_only",
                 # explicit: upstream's auto-sizing refuses to start when the host has
                 # less than 10 GiB free (hicache_auto_size.py), as on a busy test box
-                "--hicache-ratio", "2",
+                "--hicache-ratio",
+                "2",
             ]
             # the store location on the command line (not in the environment), so
             # the printed command can be copied as is
@@ -172,8 +182,14 @@ class _PortTaken(ServerError):
 class Server:
     """One server process on a free loopback port; a context manager."""
 
-    def __init__(self, config: ServerConfig, log_path: str | os.PathLike, *,
-                 startup_timeout: float = 300.0, python: str = sys.executable):
+    def __init__(
+        self,
+        config: ServerConfig,
+        log_path: str | os.PathLike,
+        *,
+        startup_timeout: float = 300.0,
+        python: str = sys.executable,
+    ):
         self.config = config
         self.log_path = Path(log_path)
         self.startup_timeout = startup_timeout
@@ -191,8 +207,9 @@ class Server:
         """The command as one copyable shell line, with the SGLANG* variables
         this launcher sets for the server in front."""
         env = self.env()
-        prefix = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
-                  if k.startswith("SGLANG") and os.environ.get(k) != v]
+        prefix = [
+            f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if k.startswith("SGLANG") and os.environ.get(k) != v
+        ]
         return " ".join(prefix + [shlex.quote(a) for a in self.command])
 
     def env(self) -> dict[str, str]:
@@ -207,8 +224,7 @@ class Server:
         env.update(self.config.env)
         return env
 
-    def start(self, progress: Callable[[float], None] | None = None,
-              progress_every: float = 10.0) -> Server:
+    def start(self, progress: Callable[[float], None] | None = None, progress_every: float = 10.0) -> Server:
         """Launch and wait until ready; `progress(elapsed_s)` is called every
         `progress_every` seconds meanwhile (the demo prints a line).
 
@@ -227,8 +243,12 @@ class Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env(),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         self._wait_ready(progress, progress_every)
         return self
@@ -238,8 +258,12 @@ class Server:
         tests): (return code, its output, seconds). The group is killed after."""
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env(),
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            self.command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self.env(),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         try:
             out, _ = self.proc.communicate(timeout=timeout)
@@ -250,8 +274,7 @@ class Server:
         self.stop()
         return code, out.decode(errors="replace"), elapsed
 
-    def _wait_ready(self, progress: Callable[[float], None] | None = None,
-                    every: float = 5.0) -> None:
+    def _wait_ready(self, progress: Callable[[float], None] | None = None, every: float = 5.0) -> None:
         t0 = time.monotonic()
         deadline = t0 + self.startup_timeout
         next_report = t0 + every
@@ -262,8 +285,7 @@ class Server:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.stop()
-                raise ServerError(f"server exited with {code} during start-up; "
-                                  f"log {self.log_path}:\n{self.log_tail()}")
+                raise ServerError(f"server exited with {code} during start-up; log {self.log_path}:\n{self.log_tail()}")
             text = self.log_text()
             if READY_LINE in text:
                 return
@@ -272,8 +294,9 @@ class Server:
                 raise _PortTaken(self.port)
             time.sleep(0.5)
         self.stop()
-        raise ServerError(f"server not ready after {self.startup_timeout:.0f} s; "
-                          f"log {self.log_path}:\n{self.log_tail()}")
+        raise ServerError(
+            f"server not ready after {self.startup_timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}"
+        )
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the server's process group (launcher, scheduler, detokenizer:
@@ -320,7 +343,9 @@ class Server:
     def _request(self, method: str, path: str, body: Any = None, timeout: float = 300.0) -> bytes:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(
-            self.base + path, data=data, method=method,
+            self.base + path,
+            data=data,
+            method=method,
             headers={"Content-Type": "application/json"},
         )
         try:
@@ -335,9 +360,15 @@ class Server:
         """GET `path` (e.g. "/metrics" when started with --enable-metrics)."""
         return self._request("GET", path, timeout=timeout).decode()
 
-    def generate(self, input_ids: list[int], max_new_tokens: int = 8, *,
-                 timeout: float = 600.0, rid: str | None = None,
-                 extra: dict[str, Any] | None = None) -> Generation:
+    def generate(
+        self,
+        input_ids: list[int],
+        max_new_tokens: int = 8,
+        *,
+        timeout: float = 600.0,
+        rid: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Generation:
         """Greedy generation, streamed: returns tokens, logprobs, the server's
         cached-token metadata, and the client-side time to the first token.
         `timeout` bounds each socket wait (a hung server raises, never stalls).
@@ -352,8 +383,9 @@ class Server:
         if rid is not None:
             req_body["rid"] = rid
         body = json.dumps(req_body).encode()
-        req = urllib.request.Request(self.base + "/generate", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.base + "/generate", data=body, method="POST", headers={"Content-Type": "application/json"}
+        )
         t0 = time.perf_counter()
         ttft = None
         last = None
@@ -363,7 +395,7 @@ class Server:
                     line = raw.decode().strip()
                     if not line.startswith("data:"):
                         continue
-                    payload = line[len("data:"):].strip()
+                    payload = line[len("data:") :].strip()
                     if payload == "[DONE]":
                         break
                     if ttft is None:
@@ -437,8 +469,7 @@ class Generation:
             e2e_latency_s=float(meta.get("e2e_latency") or wall),
             wall_s=wall,
             ttft_s=ttft,
-            meta={k: v for k, v in meta.items()
-                  if k not in ("output_token_logprobs", "input_token_logprobs")},
+            meta={k: v for k, v in meta.items() if k not in ("output_token_logprobs", "input_token_logprobs")},
         )
 
     @property

@@ -222,7 +222,5 @@ def run_soak(
         report.leaked = {k: st.baseline[k] - v for k, v in st.pool_sizes().items() if st.baseline[k] != v}
         cc.storage_backend = flaky._backend
     fb1 = {k: v for k, v in metrics.snapshot().items() if k.startswith("recompute_fallbacks")}
-    report.fallbacks = {
-        k.split("{", 1)[1].rstrip("}"): fb1[k] - fb0.get(k, 0) for k in fb1 if fb1[k] - fb0.get(k, 0)
-    }
+    report.fallbacks = {k.split("{", 1)[1].rstrip("}"): fb1[k] - fb0.get(k, 0) for k in fb1 if fb1[k] - fb0.get(k, 0)}
     return report

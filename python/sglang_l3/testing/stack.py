@@ -261,9 +261,7 @@ class L3Stack:
         }
         host = self.cache.cache_controller.mem_pool_host
         for entry in getattr(host, "entries", None) or []:
-            out[f"host_{getattr(entry.name, 'name', entry.name).lower()}"] = int(
-                entry.host_pool.available_size()
-            )
+            out[f"host_{getattr(entry.name, 'name', entry.name).lower()}"] = int(entry.host_pool.available_size())
         return out
 
     # --------------------------------------------------------------- requests
@@ -308,7 +306,9 @@ class L3Stack:
             mamba = [mc.temporal[:, s].clone()] + [c[:, s].clone() for c in mc.conv]
         return Snapshot(k, v, mamba)
 
-    def write(self, seq: list[int], marker: float = 1.0, *, flush: bool = True, state: Optional[float] = None) -> Snapshot:
+    def write(
+        self, seq: list[int], marker: float = 1.0, *, flush: bool = True, state: Optional[float] = None
+    ) -> Snapshot:
         """Insert `seq` with its KV and a Mamba state, and write it through to L3.
 
         KV is a function of (token id, position, layer) only — like a real
