@@ -186,6 +186,11 @@ def measure_restore(m: ModelShape, seq: list[int], store: str, buffer_tokens: in
         cc = st.cache.cache_controller
         cc.prefetch_capacity_limit = int(0.9 * cc.mem_pool_host.size)  # upstream's limit
         host = cc.mem_pool_host.size
+        # Fault every pool page in first (a serving process's pools are resident;
+        # a CPU stand-in's first touch would bill the kernel's zeroing to the
+        # restore), and scribble the device pools so a stale read fails `exact`.
+        st.scribble()
+        touch_host_pools(cc)
         how = drop_page_cache(store)
         c0, t0 = time.process_time(), time.perf_counter()
         try:
@@ -208,13 +213,32 @@ def measure_restore(m: ModelShape, seq: list[int], store: str, buffer_tokens: in
     }
 
 
+def touch_host_pools(cc: Any) -> None:
+    """Write every host pool buffer once (see measure_restore)."""
+    seen: set[int] = set()
+
+    def fill(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            if x.data_ptr() not in seen:
+                seen.add(x.data_ptr())
+                x.fill_(0)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                fill(y)
+
+    for entry in getattr(cc.mem_pool_host, "entries", None) or []:
+        for name in ("kv_buffer", "temporal_buffer", "conv_buffer"):
+            fill(getattr(entry.host_pool, name, None))
+
+
 def restore_busy(st: Any, seq: list[int]) -> tuple[Any, int]:
-    """`L3Stack.restore` with the scheduler's cadence: ticks back to back (the
-    harness's own pump sleeps 2 ms per tick, which a serving loop does not)."""
+    """`L3Stack.restore` with a scheduler-loop stand-in that ticks as soon as there
+    is work: it blocks on the streamed restore's piece reads (an event), else
+    polls every 0.5 ms (`testing.stack.wait_for_work`)."""
     from array import array
 
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-    from sglang_l3.testing.stack import RestoreFailed
+    from sglang_l3.testing.stack import RestoreFailed, wait_for_work
 
     cache = st.cache
     bp = cache.buffer_pipeline
@@ -225,7 +249,7 @@ def restore_busy(st: Any, seq: list[int]) -> tuple[Any, int]:
         if time.monotonic() > deadline:
             raise RestoreFailed("prefetch did not finish")
         cache.check_hicache_events()
-        time.sleep(0)  # let the store's threads take the GIL
+        wait_for_work(cache)
     cache.pop_prefetch_loaded_tokens(h)
     if not bp.has_staged(h):
         return None, 0
@@ -252,6 +276,7 @@ def measure_store_read(m: ModelShape, keys: list[str], store: str, context: int)
     with L3Stack(spec, store, server_args=buffer_args(spec, int(1.2 * context))) as st:
         cc = st.cache.cache_controller
         host = cc.mem_pool_host.alloc(len(keys) * PAGE)
+        touch_host_pools(cc)  # as for the restore: resident memory, cold disk
         drop_page_cache(store)
         t0 = time.perf_counter()
         ok = 0
@@ -310,7 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         args.max_gib = 0.6 * avail / 2**20
     contexts = [int(x) for x in args.contexts.split(",")]
     models = [m for m in MODELS if m.name in args.models.split(",")]
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    # One intra-op thread: the host->device copy stands in for a DMA, and the other
+    # cores belong to the store's readers (on a 2-core box, 2 OpenMP threads made
+    # the copies ~5x slower in CPU time when the store's threads ran alongside).
+    torch.set_num_threads(1)
 
     print(
         f"# per-rank sizes, TP={TP}, page {PAGE}; memory budget {args.max_gib:.1f} GiB (upstream host reserve lowered to 1 GiB)"

@@ -16,6 +16,8 @@ import contextlib
 import json
 import time
 from array import array
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -86,13 +88,32 @@ class RestoreFailed(AssertionError):
 PUMP_PERIOD_S = 0.0005
 
 
+# Longest wait for a streamed-restore piece read before ticking anyway.
+STREAM_WAIT_S = 0.05
+
+
+def wait_for_work(cache: Any) -> None:
+    """Block until the next tick has something to do: a streamed-restore piece
+    read completes (an event, via its future), else PUMP_PERIOD_S. A scheduler
+    loop ticks once per batch; this stand-in neither spins a core away from the
+    store's reader thread nor sleeps past a landed piece."""
+    from sglang_l3.patches.streamed_restore import read_futures
+
+    pipe = getattr(cache, "buffer_pipeline", None)
+    pieces = read_futures(pipe) if pipe is not None else []
+    if pieces and not any(f.done() for f in pieces):
+        futures_wait(pieces, timeout=STREAM_WAIT_S, return_when=FIRST_COMPLETED)
+    elif not pieces:
+        time.sleep(PUMP_PERIOD_S)
+
+
 def _pump(cache: Any, cond: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         cache.check_hicache_events()
         if cond():
             return
-        time.sleep(PUMP_PERIOD_S)
+        wait_for_work(cache)
     raise RestoreFailed(f"timed out waiting for: {what}")
 
 
