@@ -6,9 +6,10 @@ cache stack on CPU (`sglang_l3.testing.stack.L3Stack`: UnifiedRadixCache +
 HybridCacheController + buffer-only HiCache) and our store (patch store-file), with
 the streamed patches (issue 11). Per row (model, context, host staging buffer):
 tokens, bytes, restore seconds (storage -> device, cold page cache), GB/s, the
-store's own cold read GB/s of the same KV pages in the same run, CPU-seconds per
-GiB, and upstream's result on the same row (restored tokens with the patch
-`streamed-restore` undone in-process; 0 where upstream declines).
+store's own cold read GB/s of the same KV pages measured right before each restore
+(medians over --repeat such pairs, default 3), CPU-seconds per GiB, and upstream's
+result on the same row (restored tokens with the patch `streamed-restore` undone
+in-process; 0 where upstream declines).
 
 Per-rank sizes (TP=2) from the models' public config.json fields
 (HF `text_config` for Qwen3.5), with SGLang 0.5.23's own formulas:
@@ -69,6 +70,7 @@ import gc
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -149,6 +151,15 @@ def hybrid_spec(m: ModelShape, context: int, tp: int = TP) -> Any:
     )
 
 
+def host_budget() -> int:
+    """Upstream books host pools against this (the harness default is half of what is
+    available, too little for a 128K row's 1.2 buffer): the RAM available now less
+    1 GiB. The rows' own budget (`row_gib`) is checked before each row."""
+    import psutil
+
+    return max(0, psutil.virtual_memory().available - (1 << 30))
+
+
 def buffer_args(spec: Any, tokens: int) -> dict:
     return {"hicache_ratio": max(tokens, PAGE) / spec.kv_size}
 
@@ -182,7 +193,7 @@ def write_context(m: ModelShape, context: int, store: str) -> tuple[list[int], l
 
     spec = hybrid_spec(m, context)
     seq = [(i * 7919) % 150_000 + 1 for i in range(context)]
-    with L3Stack(spec, store, server_args=buffer_args(spec, context // 4)) as w:
+    with L3Stack(spec, store, server_args=buffer_args(spec, context // 4), host_budget_bytes=host_budget()) as w:
         w.write(seq, marker=2.0)
         w.settle(timeout=3600)
         node = w.match(seq).last_device_node
@@ -196,7 +207,7 @@ def measure_restore(m: ModelShape, seq: list[int], store: str, buffer_tokens: in
     from sglang_l3.testing.stack import L3Stack, RestoreFailed
 
     spec = hybrid_spec(m, len(seq))
-    with L3Stack(spec, store, server_args=buffer_args(spec, buffer_tokens)) as st:
+    with L3Stack(spec, store, server_args=buffer_args(spec, buffer_tokens), host_budget_bytes=host_budget()) as st:
         cc = st.cache.cache_controller
         cc.prefetch_capacity_limit = int(0.9 * cc.mem_pool_host.size)  # upstream's limit
         host = cc.mem_pool_host.size
@@ -293,7 +304,7 @@ def measure_store_read(m: ModelShape, keys: list[str], store: str) -> dict:
     batch_pages = 128
     region = min(len(keys), batch_pages) * PAGE
     spec = hybrid_spec(m, region)
-    with L3Stack(spec, store, server_args=buffer_args(spec, region)) as st:
+    with L3Stack(spec, store, server_args=buffer_args(spec, region), host_budget_bytes=host_budget()) as st:
         cc = st.cache.cache_controller
         host = cc.mem_pool_host.alloc(region)
         touch_host_pools(cc)  # as for the restore: resident memory, cold disk
@@ -353,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         help="skip rows needing more memory (default: MemAvailable - 2 GiB, re-read before each row)",
     )
     ap.add_argument("--dir", default=None, help="store directory (default: a temp dir, removed)")
+    ap.add_argument("--repeat", type=int, default=3, help="(store read, restore) pairs per row; medians are printed")
     args = ap.parse_args(argv)
 
     warnings.filterwarnings("ignore")
@@ -400,8 +412,6 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"[{m.name} {context}] writing ...")
                 seq, keys = write_context(m, context, store)
                 kv_bytes = len(keys) * PAGE * m.kv_bytes_per_token()
-                read = measure_store_read(m, keys, store)
-                store_gbps = kv_bytes / read["wall"] / 1e9 if read["pages"] == len(keys) else float("nan")
                 for label, frac in BUFFERS:
                     buf = max(PAGE, int(frac * context) // PAGE * PAGE)
                     need = row_gib(m, context, buf)
@@ -412,7 +422,21 @@ def main(argv: list[str] | None = None) -> int:
                         )
                         continue
                     log(f"[{m.name} {context}] buffer {label} ({buf} tokens) ...")
-                    ours = measure_restore(m, seq, store, buf)
+                    # Side by side: the store's read of the same pages right before
+                    # each restore; medians over --repeat pairs (a shared box is noisy).
+                    reads, runs = [], []
+                    for _ in range(args.repeat):
+                        reads.append(measure_store_read(m, keys, store))
+                        runs.append(measure_restore(m, seq, store, buf))
+                    ok = all(r["pages"] == len(keys) for r in reads)
+                    store_gbps = kv_bytes / statistics.median(r["wall"] for r in reads) / 1e9 if ok else float("nan")
+                    ours = {
+                        "host": runs[0]["host"],
+                        "loaded": min(r["loaded"] for r in runs),
+                        "wall": statistics.median(r["wall"] for r in runs),
+                        "cpu": statistics.median(r["cpu"] for r in runs),
+                        "exact": all(r["exact"] for r in runs) if all(r["exact"] is not None for r in runs) else None,
+                    }
                     up = measure_upstream(m, seq, store, buf)
                     total = ours["loaded"] * m.kv_bytes_per_token() + (m.state_bytes() if ours["loaded"] else 0)
                     gbps = total / ours["wall"] / 1e9 if ours["loaded"] else 0.0

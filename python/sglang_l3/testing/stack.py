@@ -138,6 +138,8 @@ class L3Stack:
     sglang-l3's store; `mooncake` joins the store that `extra_config` names,
     e.g. `sglang_l3.testing.mooncake.MooncakeCluster.extra_config()`).
     `extra_config` is `--hicache-storage-backend-extra-config`.
+    `host_budget_bytes`: what upstream may book for the host pools (default half
+    of the RAM available now; a benchmark that owns the machine passes more).
     """
 
     def __init__(
@@ -151,6 +153,7 @@ class L3Stack:
         storage_backend: str = "file",
         extra_config: Optional[dict[str, Any]] = None,
         server_args: Optional[dict[str, Any]] = None,
+        host_budget_bytes: Optional[int] = None,
     ):
         from sglang.kernels.ops.attention.fla.chunk_delta_h import CHUNK_SIZE
         from sglang.srt.environ import envs
@@ -194,7 +197,8 @@ class L3Stack:
         import psutil
         from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 
-        with host_memory_budget_scope(psutil.virtual_memory().available // 2):
+        budget = psutil.virtual_memory().available // 2 if host_budget_bytes is None else host_budget_bytes
+        with host_memory_budget_scope(budget):
             self.cache.init_hicache(self.server_args, params)
         atexit.unregister(self.cache.shutdown)
         cc = self.cache.cache_controller
