@@ -66,6 +66,7 @@ Example: nice -n 10 python benchmark/restore_bench.py --contexts 8192,32768,1310
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import math
 import os
@@ -198,7 +199,7 @@ def write_context(m: ModelShape, context: int, store: str) -> tuple[list[int], l
         w.settle(timeout=3600)
         node = w.match(seq).last_device_node
         keys = list(w.cache.tree_core.snapshot_buffer_backup(node, False).hash_values)
-    gc.collect()
+    free_memory()
     return seq, keys
 
 
@@ -229,7 +230,7 @@ def measure_restore(m: ModelShape, seq: list[int], store: str, buffer_tokens: in
             exact = bool(st.snapshot(st.match(seq).last_device_node, None).k.equal(k))
             st.release(req)
         del req, st
-    gc.collect()  # the cache's reference cycles hold the pools until collected
+    free_memory()  # the cache's reference cycles hold the pools until collected
     return {
         "host": host,
         "loaded": loaded,
@@ -317,7 +318,7 @@ def measure_store_read(m: ModelShape, keys: list[str], store: str) -> dict:
             ok += sum(bool(x) for x in res)
         wall = time.perf_counter() - t0
         cc.mem_pool_host.free(host)
-    gc.collect()
+    free_memory()
     return {"pages": ok, "wall": wall}
 
 
@@ -338,12 +339,24 @@ def write_gib(m: ModelShape, context: int) -> float:
     return row_gib(m, context, context // 4)
 
 
+def free_memory() -> None:
+    """Collect the last stack's pools and hand the freed heap back to the OS: glibc
+    keeps freed pool buffers of up to its (self-raising) mmap threshold in its
+    arenas, so without the trim a row's RSS stayed until the next one allocated
+    and two rows' pools coexisted at the peak (a 256K row was OOM-killed so)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
 def mem_budget_gib(fixed: float | None) -> float:
     """--max-gib, or what is available now less a 2 GiB margin (rows run one at a
     time and free everything before the next: the budget is re-read per row)."""
+    free_memory()
     if fixed is not None:
         return fixed
-    gc.collect()
     with open("/proc/meminfo") as f:
         avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
     return avail / 2**20 - 2.0
