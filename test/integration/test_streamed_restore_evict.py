@@ -152,3 +152,54 @@ def test_eviction_mid_stream(tmp_path, monkeypatch, core: str, pinned: bool) -> 
         req, loaded = st.restore(seq, "again")
         check_restored(st, seq, req, loaded, want)
         back_to_baseline(st, req)
+
+
+@pytest.mark.parametrize("core", TREE_CORES)
+@pytest.mark.parametrize("policy", ("best_effort", "timeout", "wait_complete"))
+def test_stop_policy_applies_to_the_stream(tmp_path, monkeypatch, core: str, policy: str) -> None:
+    """`--hicache-storage-prefetch-policy` while rounds run (upstream's op is parked):
+    best_effort stops the stream at the first admission poll; timeout at the first
+    poll past upstream's budget (here 0 s); wait_complete waits. A stopped stream
+    frees R once, stages nothing, and the request recomputes (pools at baseline)."""
+    import sglang_l3.patches.streamed_restore as sr
+
+    seq = list(range(11, 11 + CONTEXT))
+    with stack(tmp_path, core) as w:
+        want = w.write(seq, marker=4.0)
+        w.settle()
+    read = sr._read_piece
+
+    def slow_read(cc, op, keys, host, prefix):
+        time.sleep(0.02)  # keep the stream in its rounds while the request is polled
+        return read(cc, op, keys, host, prefix)
+
+    monkeypatch.setattr(sr, "_read_piece", slow_read)
+    with stack(tmp_path, core) as st:
+        cache, pipe = st.cache, st.cache.buffer_pipeline
+        lane = lane_of(pipe)
+        cache.prefetch_stop_policy = policy
+        cache.prefetch_timeout_base = cache.prefetch_timeout_per_page = 0.0
+        stopped = metrics.get("l3_stream_restore", f"stop_{policy}")
+        st.scribble()
+        h = start_prefetch(st, seq, "p")
+        pump(st, lambda: h in lane.streams, "the stream to start")
+        assert lane.streams[h].state == "reading"
+        polls = [cache.check_prefetch_progress(h)]
+        if policy == "timeout":
+            assert polls == [False], "the first poll starts the budget"
+            time.sleep(0.01)
+            polls.append(cache.check_prefetch_progress(h))
+        if policy == "wait_complete":
+            assert polls == [False]
+            pump(st, lambda: cache.check_prefetch_progress(h) and pipe.has_staged(h), "the stream to stage")
+            assert cache.pop_prefetch_loaded_tokens(h) == CONTEXT
+            req, loaded = st.admit(h, seq, "p")
+            check_restored(st, seq, req, loaded, want)
+            back_to_baseline(st, req)
+            return
+        assert polls[-1] is True, "the policy must stop the stream"
+        assert h not in cache.ongoing_prefetch and not pipe.has_staged(h)
+        pump(st, lambda: not lane.streams, "the stopped stream to end")
+        assert metrics.get("l3_stream_restore", f"stop_{policy}") == stopped + 1
+        assert cache.pop_prefetch_loaded_tokens(h) == 0
+        back_to_baseline(st)

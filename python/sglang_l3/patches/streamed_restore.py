@@ -15,8 +15,11 @@ own rather than by upstream's prefetch thread):
   so every rank lands, fails or aborts the same piece at the same tick.
 - Meanwhile upstream's operation stays parked (`allocate_and_queue_prefetch`
   returns False, the path upstream uses for a host shortfall; parked ops hold no
-  anchor pin) and `check_prefetch_progress` holds the request, whatever the prefetch
-  stop policy. J stays pinned by our own full pin on the anchor node.
+  anchor pin) and `check_prefetch_progress` holds the request while
+  `--hicache-storage-prefetch-policy` allows: `wait_complete` waits, `timeout` waits
+  within upstream's budget for the whole hit, `best_effort` stops at the first poll
+  (the stream ends, `l3_stream_restore{stop_*}`, and the request recomputes).
+  J stays pinned by our own full pin on the anchor node.
 - Round k is upstream's own prefetch, trimmed by |R| (`_trim_buffer_prefetch_full_head`):
   the last piece and the Mamba checkpoint at P through upstream's thread, ack drain
   and `stage_completed_prefetch`. The staged hold is then widened to [J, P).
@@ -548,11 +551,19 @@ def apply(ctx: PatchContext) -> None:
         return had
 
     def progress(orig: Any, self: Any, request: Any) -> bool:
-        if self.buffer_pipeline is not None:
-            s = lane_of(self.buffer_pipeline).streams.get(request)
-            if s is not None and s.state in ("reading", "ready", "final") and request in self.ongoing_prefetch:
-                return False  # the request waits for its stream, whatever the stop policy
-        return orig(self, request)
+        pipe = self.buffer_pipeline
+        s = lane_of(pipe).streams.get(request) if pipe is not None else None
+        info = self.ongoing_prefetch.get(request)
+        if s is None or s.state not in ("reading", "ready") or info is None or info.operation is not s.op:
+            return orig(self, request)  # the final round is upstream's own prefetch: its policy applies
+        # Rounds 1..k-1: upstream's op is parked, so upstream would stop it at once;
+        # apply the stop policy to the stream instead (same rank-agreed vote and time
+        # budget as upstream's: base + per page of the whole hit, from the first poll).
+        if self.prefetch_stop_policy == "wait_complete" or not self._can_terminate_prefetch(s.op):
+            self._start_storage_prefetch_wait(s.op)
+            return False
+        _abort(pipe, s, f"stop_{self.prefetch_stop_policy}")
+        return orig(self, request)  # revokes the parked op (deadline / miss); the tick frees R
 
     def events(orig: Any, self: Any) -> None:
         orig(self)
