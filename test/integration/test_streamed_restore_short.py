@@ -4,7 +4,7 @@ Mamba checkpoint that fits is restored and the request computes the rest.
 
 Real upstream stack on CPU (`L3Stack`) and the real admission path
 (`SchedulerHarness`: `_add_request_to_queue` → `_prefetch_kvcache` →
-`_get_new_batch_prefill_raw`, `PrefillAdder.add_one_req`), both tree cores. A
+`_get_new_batch_prefill_raw`, `PrefillAdder.add_one_req`), page sizes 1 and 64, both tree cores. A
 conversation is written in two turns (checkpoints at the end of turn 1 and of
 turn 2); a fresh reader whose device pool is mostly held by another request
 restores turn 1 only — KV and the node's and request's Mamba slots bit-exact at
@@ -22,7 +22,6 @@ from sglang_l3.patches import streamed_restore as sr
 from sglang_l3.patches.streamed_restore import lane_of
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
 
-PAGE = 64
 CONTEXT = 3072  # turn 1 + turn 2, ~2.8x the reader's host buffer (1088 tokens)
 ARGS = {"hicache_ratio": 0.25}
 
@@ -36,6 +35,7 @@ def _all_or_nothing(orig):
 
 
 @pytest.mark.parametrize("core", TREE_CORES)
+@pytest.mark.parametrize("page", (1, 64))
 @pytest.mark.parametrize(
     "turn1, free, truncate",
     [
@@ -46,12 +46,12 @@ def _all_or_nothing(orig):
     ],
 )
 def test_short_device_pool_restores_the_longest_part_that_fits(
-    tmp_path, monkeypatch, core: str, turn1: int, free: int, truncate: bool
+    tmp_path, monkeypatch, core: str, page: int, turn1: int, free: int, truncate: bool
 ) -> None:
     from sglang_l3.testing.scheduler_harness import SchedulerHarness
 
     seq = list(range(5, 5 + CONTEXT))
-    writer = HybridSpec(page_size=PAGE, kv_size=8192, max_context_len=4096)
+    writer = HybridSpec(page_size=page, kv_size=8192, max_context_len=4096)
     with L3Stack(writer, str(tmp_path), tree_core=core, server_args=ARGS) as w:
         want1 = w.write(seq[:turn1], marker=3.0)
         w.write(seq, marker=4.0)
@@ -60,7 +60,7 @@ def test_short_device_pool_restores_the_longest_part_that_fits(
     if not truncate:
         monkeypatch.setattr(sr, "_device_fit", _all_or_nothing(sr._device_fit))
 
-    spec = HybridSpec(page_size=PAGE, kv_size=4096, max_context_len=4096)
+    spec = HybridSpec(page_size=page, kv_size=4096, max_context_len=4096)
     with L3Stack(spec, str(tmp_path), tree_core=core, server_args=ARGS) as st:
         cc = st.cache.cache_controller
         cc.prefetch_capacity_limit = int(0.9 * cc.mem_pool_host.size)
