@@ -12,7 +12,9 @@ and the freed rows are handed to someone else, who scribbles over them.
   piece from L3 — is bit-exact, Mamba slots included; pools back to baseline.
 - J unpinned (anchor cap 0, upstream launches "unlocked"): J goes; the stream
   notices (upstream revokes the op on `anchor_lost`), frees R once and stages
-  nothing; a later restore of the whole context from L3 is bit-exact.
+  nothing; a later restore of the whole context from L3 is bit-exact. The same
+  after the stream staged: admission finds the plan shrunk, the hold and R go.
+- The prefetch stop policy applied to a stream's rounds.
 """
 
 from __future__ import annotations
@@ -203,3 +205,43 @@ def test_stop_policy_applies_to_the_stream(tmp_path, monkeypatch, core: str, pol
         assert metrics.get("l3_stream_restore", f"stop_{policy}") == stopped + 1
         assert cache.pop_prefetch_loaded_tokens(h) == 0
         back_to_baseline(st)
+
+
+@pytest.mark.parametrize("core", TREE_CORES)
+def test_unpinned_base_evicted_after_staging(tmp_path, monkeypatch, core: str) -> None:
+    """The stream staged (R private, last piece in the host bounce), then J (unpinned,
+    anchor cap 0) is evicted before admission: upstream's `prepare_staged_prefetch`
+    finds the plan shrunk and releases the staged hold; R is freed with it, once,
+    and nothing is spliced. A later restore of the whole context is bit-exact."""
+    seq = list(range(11, 11 + CONTEXT))
+    with stack(tmp_path, core) as w:
+        w.write(seq[:TURN1], marker=3.0)
+        want = w.write(seq, marker=4.0)
+        w.settle()
+    monkeypatch.setenv("SGLANG_HICACHE_BUFFER_ANCHOR_LOCK_CAP", "0")
+    with stack(tmp_path, core) as st:
+        pipe = st.cache.buffer_pipeline
+        lane = lane_of(pipe)
+        st.write(seq[:TURN1], marker=3.0, flush=False)
+        st.flush_backups()
+        h = start_prefetch(st, seq, "late")
+        pump(st, lambda: st.cache.check_prefetch_progress(h) and pipe.has_staged(h), "the stream to stage")
+        assert lane.streams[h].state == "staged" and lane.streams[h].start == TURN1
+        assert st.cache.pop_prefetch_loaded_tokens(h) == CONTEXT - TURN1
+        released = metrics.get("l3_stream_restore", "released_shrunk")
+        pressure(st)
+        assert st.match(seq[:TURN1]).full_kv_hit_length == 0, "an unpinned base is evictable"
+        # Admission (as `L3Stack.admit`, before any slot is taken): the plan has
+        # shrunk, the hold is released.
+        req = st.new_req("late", seq)
+        req.cache_request_handle = h
+        m = st.match(seq)
+        req.prefix_len, req.last_node = m.device_prefix_len, m.last_device_node
+        assert not pipe.prepare_staged_prefetch(req), "a shrunk plan must not be admitted"
+        assert not pipe.has_staged(h) and not lane.streams
+        assert metrics.get("l3_stream_restore", "released_shrunk") == released + 1
+        back_to_baseline(st)
+        st.scribble()
+        req, loaded = st.restore(seq, "again")
+        check_restored(st, seq, req, loaded, want)
+        back_to_baseline(st, req)
