@@ -39,6 +39,8 @@ def _config(tmp_path, store: bool) -> ServerConfig:
         chunked_prefill_size=CHUNKED_PREFILL,
         page_size=PAGE_SIZE,
         prefetch_threshold=PREFETCH_THRESHOLD if store else None,
+        # the user's default `timeout` stop policy, with a budget a loaded 2-core box cannot miss
+        storage_extra_config={"prefetch_timeout_base": 600} if store else {},
         extra_args=["--hicache-ratio", str(HICACHE_RATIO)] if store else [],
         env={"SGLANG_L3_VERIFY": "1"},
     )
