@@ -362,6 +362,12 @@ def mem_budget_gib(fixed: float | None) -> float:
     return avail / 2**20 - 2.0
 
 
+def fits(need_gib: float, fixed: float | None) -> bool:
+    """The estimate measured 10-15% under the peak at 256K (the host pool is shared
+    memory, and upstream's per-token side tables grow with the context)."""
+    return 1.15 * need_gib <= mem_budget_gib(fixed)
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -416,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in models:
         for context in contexts:
             need = write_gib(m, context)
-            if need > mem_budget_gib(args.max_gib):
+            if not fits(need, args.max_gib):
                 print(f"{m.name:20s} {context:>8d}  skipped: writing needs ~{need:.1f} GiB > budget", flush=True)
                 continue
             root = args.dir or tempfile.mkdtemp(prefix="restore-bench-")
@@ -428,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                 for label, frac in BUFFERS:
                     buf = max(PAGE, int(frac * context) // PAGE * PAGE)
                     need = row_gib(m, context, buf)
-                    if need > mem_budget_gib(args.max_gib):
+                    if not fits(need, args.max_gib):
                         print(
                             f"{m.name:20s} {context:>8d} {label:>6s}  skipped: needs ~{need:.1f} GiB > budget",
                             flush=True,
