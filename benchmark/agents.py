@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -68,10 +69,16 @@ class Run:
     prompt: int = 0  # prompt tokens of turns >= 2
     hints_landed: int = 0  # hinted turns whose hint had landed when the request was sent
     hints: int = 0
+    rids: list[str] = field(default_factory=list)  # turns >= 2
+    queue: list[float] = field(default_factory=list)  # server queue seconds of turns >= 2
 
     @property
     def median_ttft(self) -> float:
         return statistics.median(self.ttft) if self.ttft else float("nan")
+
+    @property
+    def median_queue(self) -> float:
+        return statistics.median(self.queue) if self.queue else float("nan")
 
     @property
     def hit(self) -> int:
@@ -102,6 +109,8 @@ def _config(args: argparse.Namespace, store: Path, pool: int, disable: str = "",
         page_size=PAGE,
         storage_extra_config=extra,
         env={"SGLANG_L3_DISABLE": disable} if disable else {},
+        # per-request queue/forward durations in the server log (ReqTimeStats lines)
+        extra_args=["--enable-request-time-stats-logging"],
     )
 
 
@@ -127,18 +136,27 @@ def agents_run(
     hint_id: str | None = None
     with Server(_config(args, store, pool, disable, **extra), log_dir / f"{label}.log", startup_timeout=900) as s:
         for i, (t, a) in enumerate(order):
+            state = "-"
             if hint_id is not None:
+                state = _hint_state(s, hint_id)
                 run.hints += 1
-                run.hints_landed += _hint_state(s, hint_id) == "landed"
+                run.hints_landed += state == "landed"
                 hint_id = None
             ids = histories[a] + prompt(10_000 * a + t, args.message)
             g = s.generate(ids, args.new, extra={"session_id": f"agent-{a}"})
             histories[a] = ids + g.output_ids
             if t >= 1:
                 run.ttft.append(g.ttft_s)
+                run.rids.append(str(g.meta.get("id")))
                 run.restored += g.cached_storage
                 run.device += g.cached_device
                 run.prompt += len(ids)
+            if args.verbose:
+                print(
+                    f"  {label} turn {t + 1} agent {a}: {len(ids)} tokens, TTFT {g.ttft_s * 1e3:.0f} ms, "
+                    f"cached: {g.source}, hint {state}, rid {g.meta.get('id')}",
+                    flush=True,
+                )
             if noise:
                 s.generate(prompt(50_000 + i, args.noise), args.new)  # a one-off prompt, no session
             if i + 1 < len(order):
@@ -147,7 +165,20 @@ def agents_run(
                     _, h = s.post("/sglang_l3/prefetch", {"session_id": f"agent-{nxt}"})
                     hint_id = h["hint_id"]
                 time.sleep(max(args.think, 0.0))
+    run.queue = queue_seconds(log_dir / f"{label}.log", run.rids)
     return run
+
+
+QUEUE_RE = re.compile(r"ReqTimeStats\(rid=([^,]+),.*queue_duration=([0-9.]+)ms")
+
+
+def queue_seconds(log: Path, rids: list[str]) -> list[float]:
+    """Server-side queue time (arrival -> admitted to a prefill batch; an L3
+    restore waits here) of these requests, from upstream's ReqTimeStats lines."""
+    found: dict[str, float] = {}
+    for m in QUEUE_RE.finditer(log.read_text(errors="replace")):
+        found[m.group(1)] = float(m.group(2)) / 1e3
+    return [found[r] for r in rids if r in found]
 
 
 def store_bytes(store: Path) -> int:
@@ -173,6 +204,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="speaking order of rounds >= 2")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--skip", default="", help="comma list of runs to skip: cold,hinted,device,capped")
+    ap.add_argument("--verbose", action="store_true", help="print every turn (TTFT, where the prefix came from)")
     args = ap.parse_args()
     if args.agents < 4:
         ap.error("--agents must be >= 4")
@@ -223,14 +255,14 @@ def main() -> int:
         )
     print(
         f"{'run':9} {'turns>=2':>8} {'median TTFT ms':>15} {'L3 tokens':>10} {'device tokens':>14} "
-        f"{'cached %':>9} {'hints landed':>13}"
+        f"{'cached %':>9} {'hints landed':>13} {'median queue ms':>16}"
     )
     for r in runs.values():
         cached = 100.0 * r.hit / r.prompt if r.prompt else float("nan")
         landed = f"{r.hints_landed}/{r.hints}" if r.hints else "-"
         print(
             f"{r.label:9} {len(r.ttft):8d} {r.median_ttft * 1e3:15.1f} {r.restored:10d} {r.device:14d} "
-            f"{cached:9.1f} {landed:>13}"
+            f"{cached:9.1f} {landed:>13} {r.median_queue * 1e3:16.1f}"
         )
     if {"hinted", "device"} <= runs.keys():
         print(f"hinted_vs_device={runs['hinted'].median_ttft / runs['device'].median_ttft:.2f}")
