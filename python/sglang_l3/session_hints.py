@@ -32,6 +32,10 @@ from sglang_l3 import metrics
 logger = logging.getLogger(__name__)
 
 HINT_RID_PREFIX = "sglang-l3-hint-"
+# State of a hint the scheduler declined because staging it on the device would
+# evict an open session's device context (patch session-guard); the marker is
+# carried in the abort message.
+DEFERRED_DEVICE_FULL = "deferred_device_full"
 MAX_CONTEXTS = 4096  # sessions whose last context this process remembers
 MAX_FINISHED = 4096  # finished hints kept for status queries
 JOIN_TIMEOUT_S = 600.0
@@ -48,7 +52,7 @@ class Hint:
     id: str
     ids: tuple[int, ...]
     session_id: str | None
-    state: str = "staging"  # staging | landed | failed
+    state: str = "staging"  # staging | landed | failed | deferred_device_full
     created: float = field(default_factory=time.time)
     finished: float | None = None
     cached: dict[str, int] = field(default_factory=dict)
@@ -184,9 +188,12 @@ class HintBook:
             metrics.inc("session_hints", "landed")
             metrics.inc("session_hint_tokens_from_l3", n=h.cached.get("storage", 0))
         except Exception as e:  # noqa: BLE001 - a failed hint is a state, never an error for others
-            h.state, h.error = "failed", str(e) or type(e).__name__
-            metrics.inc("session_hints", "failed")
-            logger.warning("sglang-l3 hint %s failed: %s", h.id, h.error)
+            h.error = str(e) or type(e).__name__
+            # declined by the scheduler's guard: not a failure, the device is full
+            h.state = DEFERRED_DEVICE_FULL if DEFERRED_DEVICE_FULL in h.error else "failed"
+            metrics.inc("session_hints", h.state)
+            if h.state == "failed":
+                logger.warning("sglang-l3 hint %s failed: %s", h.id, h.error)
         finally:
             h.finished = time.time()
             h.done.set()
@@ -212,6 +219,7 @@ def request_ids_and_session(obj: Any) -> tuple[list[int] | None, str | None, boo
 
 __all__ = [
     "BOOK",
+    "DEFERRED_DEVICE_FULL",
     "HINT_RID_PREFIX",
     "Hint",
     "HintBook",

@@ -94,13 +94,21 @@ def _same(got, want, what: str) -> None:
     assert got.logprobs == want.logprobs, f"{what}: logprobs differ"
 
 
+B0 = prompt(310, 400)
+
+
 def _reference(tmp_path: Path):
     if "ref" not in _MEASURED:
         with _server(_config(None), tmp_path / "ref.log") as ref:
             r1 = ref.generate(A0, NEW)
             ctx2 = A0 + r1.output_ids + prompt(301, 48)
             r2 = ref.generate(ctx2, NEW)
+            ctx3 = ctx2 + r2.output_ids + prompt(302, 48)
+            r3 = ref.generate(ctx3, NEW)
+            rb1 = ref.generate(B0, NEW)
+            rb2 = ref.generate(B0 + rb1.output_ids + prompt(311, 48), NEW)
         _MEASURED["ref"] = (r1, ctx2, r2)  # type: ignore[assignment]
+        _MEASURED["ref3"] = (ctx3, r3, rb1, rb2)  # type: ignore[assignment]
     return _MEASURED["ref"]
 
 
@@ -181,13 +189,14 @@ def _post(s: Server, path: str, body) -> tuple[int, dict]:
 
 def test_speaks_next_hint_stages_from_l3_to_device(tmp_path):
     r1, ctx2, r2 = _reference(tmp_path)
-    b0 = prompt(310, 400)
+    ctx3, r3, rb1, rb2 = _MEASURED["ref3"]  # type: ignore[misc]
     store = tmp_path / "store"
     cfg = _config(store)
     cfg.max_total_tokens = SMALL_POOL  # the device pool holds one agent's context
     with _server(cfg, tmp_path / "hints.log") as s:
         _same(s.generate(A0, NEW, extra={"session_id": SID}), r1, "A turn 1")
-        b1 = s.generate(b0, NEW, extra={"session_id": "agent-b"})  # A leaves the device
+        b1 = s.generate(B0, NEW)  # plain traffic: A leaves the device
+        _same(b1, rb1, "B turn 1")
         # hint A, then A's request at once: the request joins the hint
         code, h = _post(s, "/sglang_l3/prefetch", {"session_id": SID})
         assert code == 200 and h["tokens"] == len(A0) + NEW and h["state"] in ("staging", "landed")
@@ -197,13 +206,29 @@ def test_speaks_next_hint_stages_from_l3_to_device(tmp_path):
         assert a2.cached_storage == 0 and a2.cached_device >= 256, f"A turn 2 after the hint: {a2.source}"
         _same(a2, r2, "A turn 2 after a hint")
 
-        # hint B and wait for it: B's next turn is served from the device
-        ctx_b2 = b0 + b1.output_ids + prompt(311, 48)
-        code, hb = _post(s, "/sglang_l3/prefetch", {"input_ids": b0 + b1.output_ids})
+        # guard: A is the open device resident; staging B's context would evict it,
+        # so the hint is declined and A's next turn still reads nothing from L3
+        b_ctx = B0 + b1.output_ids
+        code, hb = _post(s, "/sglang_l3/prefetch", {"input_ids": b_ctx})
+        assert code == 200
+        st = _wait_hint(s, hb["hint_id"])
+        assert st["state"] == "deferred_device_full", st
+        assert SID in (st["error"] or ""), st
+        a3 = s.generate(ctx3, NEW, extra={"session_id": SID})
+        assert a3.cached_storage == 0 and a3.cached_device >= 256, f"A turn 3 after B's hint: {a3.source}"
+        _same(a3, r3, "A turn 3 after a declined hint")
+
+        # closing A releases it: B's hint lands, B's next turn is served from the device
+        assert s.post("/close_session", {"session_id": SID})[0] == 200
+        _record(store, SID, want_open=False)
+        code, hb = _post(s, "/sglang_l3/prefetch", {"input_ids": b_ctx})
         assert code == 200
         assert _wait_hint(s, hb["hint_id"])["state"] == "landed"
-        b2 = s.generate(ctx_b2, NEW, extra={"session_id": "agent-b"})
+        b2 = s.generate(b_ctx + prompt(311, 48), NEW, extra={"session_id": "agent-b"})
         assert b2.cached_storage == 0 and b2.cached_device >= 256, f"B turn 2: {b2.source}"
+        _same(b2, rb2, "B turn 2 after a hint")
+        assert s.post("/close_session", {"session_id": "agent-b"})[0] == 200
+        _record(store, "agent-b", want_open=False)
 
         # clear answers
         assert _post(s, "/sglang_l3/prefetch", {"session_id": "nobody"})[0] == 404

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 from sglang_l3.patches import framework
 from sglang_l3.session_hints import (
+    DEFERRED_DEVICE_FULL,
     HINT_RID_PREFIX,
     HintBook,
     HintError,
@@ -105,6 +106,33 @@ def test_a_failing_hint_is_a_state():
     asyncio.run(main())
 
 
+def test_a_hint_declined_by_the_guard_says_so():
+    """The scheduler's guard (patch session-guard) answers with an abort whose
+    message carries the marker: the hint's state is deferred_device_full."""
+
+    class Guarded:
+        async def generate_request(self, obj, request=None):
+            yield {
+                "meta_info": {
+                    "cached_tokens": 0,
+                    "finish_reason": {
+                        "type": "abort",
+                        "message": f"sglang-l3 hint {DEFERRED_DEVICE_FULL}: ... ['agent-a'] ...",
+                    },
+                }
+            }
+
+    async def main():
+        book = HintBook()
+        h, _ = book.start(Guarded(), [1, 2], None)
+        await asyncio.wait_for(h.done.wait(), 10)
+        assert h.state == DEFERRED_DEVICE_FULL and "agent-a" in h.error
+        assert h.as_dict()["state"] == DEFERRED_DEVICE_FULL
+        assert book.inflight() == []
+
+    asyncio.run(main())
+
+
 def test_request_ids_and_session():
     assert request_ids_and_session(_Obj(rid=HINT_RID_PREFIX + "x", input_ids=[1])) == (
         None,
@@ -124,7 +152,7 @@ def test_request_ids_and_session():
 
 
 def test_patches_apply():
-    for pid in ("sessions", "session-hints"):
+    for pid in ("sessions", "session-hints", "session-guard"):
         st = framework.get_status(pid)
         assert st is not None and st.state == framework.State.APPLIED, (
             pid,

@@ -8,7 +8,7 @@ the HTTP server process (sglang_l3/session_hints.py does the work):
   (`sglang.srt.entrypoints.http_server.app`, imported by the launcher before
   it builds the tokenizer manager):
     POST /sglang_l3/prefetch           {"session_id": ..., "input_ids": [...]}
-    GET  /sglang_l3/prefetch/{hint_id} staging | landed | failed, cached tokens
+    GET  /sglang_l3/prefetch/{hint_id} staging | landed | failed | deferred_device_full
     GET  /sglang_l3/sessions           the store's session table + hint counts
 - AROUND `TokenizerManager.generate_request`: a request that extends an
   in-flight hint's context (or names its session) waits for the hint to land;
