@@ -5,13 +5,17 @@ Upstream (0.5.23) names agents with `/open_session` / `/close_session`,
 `--enable-session-radix-cache` protects their device/host entries
 (mem_cache/unified_cache/session_ref_tracker.py). The L3 store knows nothing
 of sessions: its evictor is plain LRU and the session table lives in process
-memory. Three AFTER hooks feed the store's session registry
+memory. AFTER hooks feed the store's session registry
 (storage/retention.py), on every TP rank alike (same requests, same keys):
 
 - `UnifiedRadixCache.on_release` (after a request's KV went back to the tree,
   both tree cores): a finished, non-aborted request of a session records the
   page-key chain of its context (the same SHA-256 chain HiCache names L3 pages
   with, mem_cache/utils.py:get_storage_hash_str), its token count and priority;
+- `Scheduler._add_request_to_queue` (a session's turn is queued, before it
+  runs): records the chain of its input, so the pages the running turn
+  writes chunk by chunk are protected before it finishes (at release the
+  chain grows by the output);
 - `Scheduler.open_session`: (re)opens the session in the registry;
 - `Scheduler.close_session` and `SessionController._close` (explicit close,
   deferred close, timeout reap): closes it - its pages become evictable before
@@ -90,6 +94,32 @@ def _on_release(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) ->
     return
 
 
+def _on_queued(result: Any, sched: Any, req: Any, is_retracted: bool = False) -> None:
+    """A session's turn entered the waiting queue: its input's chain becomes the
+    session's chain now, so the pages the running turn writes (chunk by chunk)
+    are protected before it finishes; on_release then records input + output."""
+    sid = session_id_of(req)
+    if sid is None or is_retracted or req.finished() or getattr(req, "to_finish", None) is not None:
+        return
+    if not any(r is req for r in getattr(sched, "waiting_queue", ())):
+        return  # refused at the door (queue limit, priority): nothing will run
+    reg = registry_of(sched.tree_cache)
+    if reg is None:
+        return
+    try:
+        keys, tokens = context_keys(sched.tree_cache, req)
+        prio = getattr(req, "priority", None)
+        reg.on_turn(
+            str(sid),
+            keys,
+            tokens,
+            priority=int(prio) if prio is not None else None,
+            finished=False,
+        )
+    except Exception:  # bookkeeping must never take a request down
+        logger.exception("sglang-l3 sessions: cannot protect the running turn of %s", sid)
+
+
 def _on_open(result: Any, sched: Any, recv_req: Any) -> None:
     sid = recv_req.session_id
     if sid is not None and sid in sched.session_controller:
@@ -112,6 +142,7 @@ def _on_controller_close(result: Any, ctrl: Any, session_id: str) -> None:
 
 def apply(ctx: PatchContext) -> None:
     ctx.after(f"{CACHE}.on_release", _on_release)
+    ctx.after(f"{SCHED}._add_request_to_queue", _on_queued)
     ctx.after(f"{SCHED}.open_session", _on_open)
     ctx.after(f"{SCHED}.close_session", _on_close)
     ctx.after(f"{CONTROLLER}._close", _on_controller_close)
