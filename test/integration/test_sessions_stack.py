@@ -184,3 +184,34 @@ def test_a_running_turns_pages_are_protected_before_it_finishes(tmp_path, core):
 def test_control_a_running_turns_pages_go_first_when_recorded_only_at_release(tmp_path):
     new, kept = _running_turn_under_the_cap(tmp_path, "rust", protect_at_arrival=False)
     assert len(kept) < len(new)
+
+
+def test_drop_through_the_scheduler_forgets_the_session(tmp_path):
+    """What DELETE /sglang_l3/sessions/{id} sends every scheduler rank: upstream's
+    CloseSessionReqInput with DROP_MARK before the id. The registry forgets the
+    session (the table too); upstream's session controller never sees it; a
+    plain close still closes."""
+    from sglang.srt.managers.io_struct import CloseSessionReqInput
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.session.session_controller import SessionController
+    from sglang_l3.patches.sessions import DROP_MARK
+
+    spec = HybridSpec(page_size=1, kv_size=2048)
+    with L3Stack(spec, str(tmp_path)) as st:
+        h = SchedulerHarness(st)
+        h.s.enable_session_radix_cache = False
+        h.s.session_controller = SessionController(st.cache)
+        _serve(h, SEQ, "agent-a")
+        _serve(h, list(range(500, 600)), "agent-b")
+        reg = registry_of(st.cache)
+        seen = []
+        h.s.session_controller.close = lambda req: seen.append(req.session_id)
+        Scheduler.close_session(h.s, CloseSessionReqInput(session_id=DROP_MARK + "agent-a"))
+        assert reg.get("agent-a") is None and seen == []
+        Scheduler.close_session(h.s, CloseSessionReqInput(session_id=DROP_MARK + "nobody"))  # no-op
+        Scheduler.close_session(h.s, CloseSessionReqInput(session_id="agent-b"))
+        assert seen == ["agent-b"] and reg.get("agent-b").open is False
+        assert reg.flush()
+    with L3Stack(spec, str(tmp_path)) as fresh:
+        again = registry_of(fresh.cache)
+        assert again.get("agent-a") is None and again.get("agent-b") is not None

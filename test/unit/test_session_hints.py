@@ -205,4 +205,21 @@ def test_routes_answer_clearly(monkeypatch, tmp_path):
     assert info["store"] == str(tmp_path) and info["sessions"] == []
     tm.gracefully_exit = True
     assert c.post("/sglang_l3/prefetch", json={"input_ids": [1, 2, 3]}).status_code == 503
+    # drop through the server: unknown -> 404, known -> upstream's close message
+    # carrying DROP_MARK (what every scheduler rank's registry turns into a drop)
+    from sglang_l3.patches.sessions import DROP_MARK
+
+    closes = []
+
+    async def close_session(obj, request=None):
+        closes.append(obj)
+
+    tm.close_session = close_session
+    r = c.delete("/sglang_l3/sessions/nobody")
+    assert r.status_code == 404 and "unknown session" in r.json()["error"] and not closes
+    BOOK.remember("agent-x", [1, 2])
+    r = c.delete("/sglang_l3/sessions/agent-x")
+    assert r.status_code == 200 and r.json() == {"dropped": "agent-x"}
+    assert [o.session_id for o in closes] == [DROP_MARK + "agent-x"]
+    assert "agent-x" not in BOOK.contexts
     BOOK.hints.clear()

@@ -19,9 +19,11 @@ memory. AFTER hooks feed the store's session registry
 - `Scheduler.open_session`: (re)opens the session in the registry;
 - `Scheduler.close_session` and `SessionController._close` (explicit close,
   deferred close, timeout reap): closes it - its pages become evictable before
-  any open session's.
+  any open session's. A close whose id starts with DROP_MARK is a drop through
+  the server (AROUND: upstream never sees it): the registry forgets the session.
 
-Neither hook changes what upstream does; they read request/tree state only.
+Apart from the drop message (ours), no hook changes what upstream does; they
+read request/tree state only.
 Works without `--enable-session-radix-cache`, so on the Rust tree core too
 (upstream refuses the session radix cache there).
 """
@@ -38,6 +40,9 @@ logger = logging.getLogger("sglang_l3.sessions")
 CACHE = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
 SCHED = "sglang.srt.managers.scheduler:Scheduler"
 CONTROLLER = "sglang.srt.session.session_controller:SessionController"
+# Prefix of the session id of a CloseSessionReqInput that means "drop": not
+# printable, so no valid session id (storage.sessions.valid_session_id) has it.
+DROP_MARK = "\x00sglang-l3-drop\x00"
 
 
 def registry_of(cache: Any) -> Any:
@@ -134,6 +139,23 @@ def _on_close(result: Any, sched: Any, recv_req: Any) -> None:
         reg.close(str(recv_req.session_id))
 
 
+def _close_session(original: Any, sched: Any, recv_req: Any) -> Any:
+    """`sglang-l3 sessions --url ... drop ID` (DELETE /sglang_l3/sessions/{id})
+    reaches every scheduler rank as upstream's CloseSessionReqInput with
+    DROP_MARK before the id (upstream's IPC decodes only its own message types;
+    a close is broadcast to every TP rank): the registry forgets the session,
+    upstream sees nothing. Any other close is upstream's, then the registry's."""
+    sid = recv_req.session_id
+    if isinstance(sid, str) and sid.startswith(DROP_MARK):
+        reg = registry_of(sched.tree_cache)
+        if reg is not None and reg.drop(sid[len(DROP_MARK) :]):
+            logger.info("sglang-l3 sessions: dropped session %s", sid[len(DROP_MARK) :])
+        return None
+    result = original(sched, recv_req)
+    _on_close(result, sched, recv_req)
+    return result
+
+
 def _on_controller_close(result: Any, ctrl: Any, session_id: str) -> None:
     reg = registry_of(ctrl.tree_cache)
     if reg is not None:
@@ -144,5 +166,5 @@ def apply(ctx: PatchContext) -> None:
     ctx.after(f"{CACHE}.on_release", _on_release)
     ctx.after(f"{SCHED}._add_request_to_queue", _on_queued)
     ctx.after(f"{SCHED}.open_session", _on_open)
-    ctx.after(f"{SCHED}.close_session", _on_close)
+    ctx.around(f"{SCHED}.close_session", _close_session)
     ctx.after(f"{CONTROLLER}._close", _on_controller_close)
