@@ -52,6 +52,9 @@ from typing import Any, Callable
 
 import torch
 
+from sglang_l3.testing import pools
+from sglang_l3.testing.pools import host_kv_pool, host_mamba_pool
+
 MiB = 1 << 20
 KV_LAYERS, KV_HEADS, HEAD_DIM, PAGE_TOKENS = 16, 2, 256, 64  # 2 MiB pages
 M_LAYERS, M_HEADS, M_DK, M_DV, CONV_DIM, CONV_K = 48, 48, 128, 128, 10240, 3  # ~147 MiB states
@@ -134,58 +137,18 @@ def install_allocator(kind: str) -> None:
 
 
 def make_pools(kv_pages: int, mamba_slots: int, mamba_layers: int) -> tuple[Any, Any]:
-    from sglang.srt.mem_cache.device_pool_info import (
-        KVBufferLayout,
-        KVBuffers,
-        MambaStateBufferInfo,
-        MHABufferInfo,
-    )
-    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-
-    dev_tokens = PAGE_TOKENS * 2  # device buffers only describe geometry here
-    k = [torch.zeros(dev_tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(KV_LAYERS)]
-    v = [torch.zeros(dev_tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(KV_LAYERS)]
-    info = MHABufferInfo(
-        buffers=KVBuffers(
-            k=tuple(k),
-            v=tuple(v),
-            k_data_ptrs=torch.tensor([x.data_ptr() for x in k], dtype=torch.uint64),
-            v_data_ptrs=torch.tensor([x.data_ptr() for x in v], dtype=torch.uint64),
-            layout=KVBufferLayout.NHD,
-        ),
-        page_size=PAGE_TOKENS,
-        head_num=KV_HEADS,
+    kv = host_kv_pool(
+        layers=KV_LAYERS,
+        heads=KV_HEADS,
         head_dim=HEAD_DIM,
-        v_head_dim=HEAD_DIM,
-        dtype=torch.bfloat16,
-        device=torch.device("cpu"),
-    )
-    kv = MHATokenToKVPoolHost(
-        info,
-        1.0,
-        0,
-        PAGE_TOKENS,
-        "page_first",
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=dev_tokens,
-        start_layer=0,
-        end_layer=KV_LAYERS,
+        page_size=PAGE_TOKENS,
+        device_tokens=PAGE_TOKENS * 2,  # device buffers only describe geometry here
+        host_ratio=1.0,
         host_token_capacity=kv_pages * PAGE_TOKENS,
     )
     temporal = torch.zeros(1, dtype=torch.float32).expand(mamba_layers, 1, M_HEADS, M_DK, M_DV)
     conv = (torch.zeros(1, dtype=torch.bfloat16).expand(mamba_layers, 1, CONV_DIM, CONV_K),)
-    mb = MambaPoolHost(
-        MambaStateBufferInfo(temporal=temporal, conv=conv),
-        float(mamba_slots),
-        0,
-        device_capacity=1,
-        pin_memory=False,
-        device="cpu",
-        layout="page_first",
-    )
-    return kv, mb
+    return kv, host_mamba_pool(temporal, conv, host_ratio=float(mamba_slots))
 
 
 def fill(pool: Any, seed: int) -> None:
@@ -380,29 +343,11 @@ def ops_upstream(st: Any, kv: Any) -> dict[str, Callable]:
 
 
 def storage_config(extra: dict) -> Any:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
-    return HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=2,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name="Qwen/Qwen3.5-27B-bench",
-        extra_config=extra,
-    )
+    return pools.storage_config(tp_size=2, model="Qwen/Qwen3.5-27B-bench", extra=extra)
 
 
 def register(st: Any, kv: Any, mb: Any) -> None:
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-
-    st.register_mem_pool_host(kv)
-    st.register_mem_host_pool_v2(kv, PoolName.KV)
-    st.register_mem_host_pool_v2(mb, PoolName.MAMBA)
+    pools.register_pools(st, kv, mb)
 
 
 # --------------------------------------------------------------------------- #

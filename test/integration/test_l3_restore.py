@@ -21,19 +21,6 @@ def _seq(page_size: int, pages: int = 4, start: int = 1) -> list[int]:
     return list(range(start, start + n))
 
 
-def _check_restored(st: L3Stack, seq: list[int], req, loaded: int, want) -> None:
-    m = st.match(seq)
-    assert loaded == len(seq)
-    assert m.device_prefix_len == len(seq)
-    assert req.last_node == m.last_device_node, "request not bound to the restored node"
-    node_slot = st.node_mamba_slot(m.last_device_node)
-    req_slot = int(req.kv.mamba_pool_idx)
-    assert node_slot is not None, "restored node has no device Mamba state"
-    assert node_slot != req_slot, "request must never decode in the node's slot"
-    assert st.snapshot(m.last_device_node, req_slot).equal(want), "request slot differs"
-    assert st.snapshot(m.last_device_node, node_slot).equal(want), "node slot differs"
-
-
 @pytest.mark.parametrize("tree_core", TREE_CORES)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_evict_then_restore_same_cache(tmp_path, page_size: int, tree_core: str) -> None:
@@ -46,7 +33,7 @@ def test_evict_then_restore_same_cache(tmp_path, page_size: int, tree_core: str)
         assert (m.device_prefix_len, m.host_hit_length) == (0, 0)
         st.scribble()
         req, loaded = st.restore(seq, "same")
-        _check_restored(st, seq, req, loaded, want)
+        st.check_restored(seq, req, loaded, want)
         st.cache.sanity_check()
         st.release(req)
         st.evict_all()
@@ -62,7 +49,7 @@ def test_restore_after_restart(tmp_path, page_size: int, tree_core: str) -> None
     with L3Stack(HybridSpec(page_size=page_size), str(tmp_path), tree_core=tree_core) as st:
         st.scribble()
         req, loaded = st.restore(seq, "fresh")
-        _check_restored(st, seq, req, loaded, want)
+        st.check_restored(seq, req, loaded, want)
         st.release(req)
         st.evict_all()
         assert st.pool_sizes() == st.baseline

@@ -74,31 +74,6 @@ def _seq(page_size: int, pages: int = 4, start: int = 1) -> list[int]:
     return list(range(start, start + max(pages * page_size, 16)))
 
 
-def _check_restored(st: L3Stack, seq, req, loaded: int, want) -> None:
-    m = st.match(seq)
-    assert loaded == len(seq)
-    assert m.device_prefix_len == len(seq)
-    assert req.last_node == m.last_device_node, "request not re-anchored to the restored node"
-    node_slot = st.node_mamba_slot(m.last_device_node)
-    req_slot = int(req.kv.mamba_pool_idx)
-    assert node_slot is not None and node_slot != req_slot
-    assert st.snapshot(m.last_device_node, req_slot).equal(want), "request's Mamba slot / KV differ"
-    assert st.snapshot(m.last_device_node, node_slot).equal(want), "node's Mamba slot / KV differ"
-
-
-def _assert_recompute(st: L3Stack, seq, rid: str) -> None:
-    """The restore attempt ends in recompute: nothing staged, no leak."""
-    with pytest.raises(RestoreFailed):
-        st.restore(seq, rid)
-    assert st.match(seq).device_prefix_len == 0
-    st.evict_all()
-    deadline = time.monotonic() + 30  # discarded prefetch buffers come back asynchronously
-    while st.pool_sizes() != st.baseline and time.monotonic() < deadline:
-        st.cache.check_hicache_events()
-        time.sleep(0.01)
-    assert st.pool_sizes() == st.baseline, "a failed restore leaked pool capacity"
-
-
 def _object_keys(st: L3Stack, seq, page_size: int) -> list[str]:
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
@@ -135,7 +110,7 @@ def test_lifecycle_bit_exact(cluster, store, tmp_path, page_size: int) -> None:
         assert (m.device_prefix_len, m.host_hit_length) == (0, 0)
         st.scribble()
         req, loaded = st.restore(seq, "same")
-        _check_restored(st, seq, req, loaded, want)
+        st.check_restored(seq, req, loaded, want)
         st.cache.sanity_check()
         st.release(req)
         st.evict_all()
@@ -144,7 +119,7 @@ def test_lifecycle_bit_exact(cluster, store, tmp_path, page_size: int) -> None:
     with _stack(cluster, tmp_path, page_size) as st:
         st.scribble()
         req, loaded = st.restore(seq, "other")
-        _check_restored(st, seq, req, loaded, want)
+        st.check_restored(seq, req, loaded, want)
         st.release(req)
         st.evict_all()
         assert st.pool_sizes() == st.baseline
@@ -161,14 +136,14 @@ def test_missing_object_is_a_miss_then_heals(cluster, store, tmp_path, what: str
         assert store.remove(victim, True) == 0, f"could not remove {victim}"  # force: past its read lease
         st.evict_all()
         st.scribble()
-        _assert_recompute(st, seq, "damaged")
+        st.assert_recompute(seq, "damaged")
         # the next write-through puts the missing object back; then it restores exactly
         want = st.write(seq, marker=4.0)
         assert store.is_exist(victim) == 1, "write-through did not heal the missing object"
         st.evict_all()
         st.scribble()
         req, loaded = st.restore(seq, "healed")
-        _check_restored(st, seq, req, loaded, want)
+        st.check_restored(seq, req, loaded, want)
         st.release(req)
 
 
@@ -180,7 +155,7 @@ def test_master_restart_is_a_miss_never_wrong(cluster, store, tmp_path) -> None:
         st.evict_all()
         cluster.restart_master()  # every object's metadata is gone
         st.scribble()
-        _assert_recompute(st, seq, "after-restart")
+        st.assert_recompute(seq, "after-restart")
         # the store comes back: once the storage node has remounted, writes restore again
         deadline = time.monotonic() + 60
         while not cluster.segments() and time.monotonic() < deadline:
@@ -190,7 +165,7 @@ def test_master_restart_is_a_miss_never_wrong(cluster, store, tmp_path) -> None:
         st.evict_all()
         st.scribble()
         req, loaded = st.restore(seq, "rewritten")
-        _check_restored(st, seq, req, loaded, want)
+        st.check_restored(seq, req, loaded, want)
         st.release(req)
 
 

@@ -8,11 +8,10 @@ Negative control: upstream HiCacheFile serves a flipped byte as valid KV."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
-from sglang_l3.testing.stack import HybridSpec, L3Stack, RestoreFailed
+from sglang_l3.testing.stack import HybridSpec, L3Stack
 from sglang_l3.patches import framework
 
 PS = 4
@@ -50,19 +49,6 @@ def _backend(st: L3Stack):
     return be
 
 
-def _assert_recompute(st: L3Stack, seq, rid: str) -> None:
-    """Restore attempt ends in recompute: nothing staged or loaded, no leaks."""
-    with pytest.raises(RestoreFailed):
-        st.restore(seq, rid)
-    assert st.match(seq).device_prefix_len == 0
-    st.evict_all()
-    deadline = time.monotonic() + 10  # discarded prefetch buffers are released asynchronously
-    while st.pool_sizes() != st.baseline and time.monotonic() < deadline:
-        st.cache.check_hicache_events()
-        time.sleep(0.01)
-    assert st.pool_sizes() == st.baseline, "a failed restore leaked pool capacity"
-
-
 def _damage_and_heal(tmp_path, damage, reason: str, pool: str, which: int = -1):
     seq = _seq()
     with L3Stack(HybridSpec(page_size=PS), str(tmp_path)) as st:
@@ -73,7 +59,7 @@ def _damage_and_heal(tmp_path, damage, reason: str, pool: str, which: int = -1):
         damage(path)
         st.evict_all()
         st.scribble()
-        _assert_recompute(st, seq, "bad")
+        st.assert_recompute(seq, "bad")
         c = be.counters()
         assert c.get(f"quarantined_{reason}") == 1, c
         assert not os.path.exists(path)
@@ -127,7 +113,7 @@ def test_foreign_page_falls_back_to_recompute(tmp_path):
         os.replace(_page(tmp_path, _keys(other)[-1], "kv"), victim)
         st.evict_all()
         st.scribble()
-        _assert_recompute(st, seq, "foreign")
+        st.assert_recompute(seq, "foreign")
         assert be.counters().get("quarantined_identity") == 1
 
 
@@ -138,7 +124,7 @@ def test_damaged_page_from_a_previous_run_after_restart(tmp_path):
     _flip_last_byte(_page(tmp_path, _keys(seq)[0], "kv"))
     with L3Stack(HybridSpec(page_size=PS), str(tmp_path)) as st:
         st.scribble()
-        _assert_recompute(st, seq, "restart")
+        st.assert_recompute(seq, "restart")
         assert _backend(st).counters().get("quarantined_checksum") == 1
 
 

@@ -82,4 +82,5 @@ def test_stats_aggregate_published_counters(capsys, tmp_path, monkeypatch) -> No
     stats = next(c for c in rep["checks"] if c["name"] == "stats")["data"]
     # this process's counter counted once (its own published file is not added again)
     assert stats["recompute_fallbacks{unit_test}"] == metrics.get("recompute_fallbacks", "unit_test")
-    assert stats.get("l3_restores", 0) < 5
+    # the dead pid's 5 restores are not added; earlier in-process tests may have counted their own
+    assert stats.get("l3_restores", 0) == metrics.get("l3_restores")

@@ -6,9 +6,13 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
+
+from sglang_l3.testing.pools import host_kv_pool, host_mamba_pool, register_pools, storage_config
+
+__all__ = ["storage_config"]  # re-exported: test_store_patch imports it from here
 
 
 def make_kv_pool(
@@ -22,37 +26,14 @@ def make_kv_pool(
     tokens: int = 64,
 ):
     """A real MHATokenToKVPoolHost over CPU 'device' buffers (no pinning)."""
-    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-
-    k = [torch.zeros(tokens + page_size, heads, head_dim, dtype=dtype) for _ in range(layers)]
-    v = [torch.zeros(tokens + page_size, heads, head_dim, dtype=dtype) for _ in range(layers)]
-    info = MHABufferInfo(
-        buffers=KVBuffers(
-            k=tuple(k),
-            v=tuple(v),
-            k_data_ptrs=torch.tensor([x.data_ptr() for x in k], dtype=torch.uint64),
-            v_data_ptrs=torch.tensor([x.data_ptr() for x in v], dtype=torch.uint64),
-            layout=KVBufferLayout.NHD,
-        ),
-        page_size=page_size,
-        head_num=heads,
+    return host_kv_pool(
+        layers=layers,
+        heads=heads,
         head_dim=head_dim,
-        v_head_dim=head_dim,
+        page_size=page_size,
+        device_tokens=tokens,
+        layout=layout,
         dtype=dtype,
-        device=torch.device("cpu"),
-    )
-    return MHATokenToKVPoolHost(
-        info,
-        2.0,
-        0,
-        page_size,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=tokens,
-        start_layer=0,
-        end_layer=layers,
     )
 
 
@@ -66,13 +47,9 @@ def make_mamba_pool(
     conv_shapes=((6, 3),),
     layout: str = "page_first",
 ):
-    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
-    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
-
     temporal = torch.zeros(layers, slots, *temporal_shape, dtype=ssm_dtype)
     conv = tuple(torch.zeros(layers, slots, *s, dtype=conv_dtype) for s in conv_shapes)
-    info = MambaStateBufferInfo(temporal=temporal, conv=conv)
-    return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout=layout)
+    return host_mamba_pool(temporal, conv, layout=layout)
 
 
 def fill_random(pool: Any, seed: int = 0) -> None:
@@ -99,38 +76,13 @@ def page_bytes(pool: Any, index: int) -> bytes:
     return pool.get_data_page(index, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def storage_config(
-    *, tp_rank: int = 0, tp_size: int = 1, model: str = "test/model", extra: Optional[dict] = None, is_mla: bool = False
-):
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
-    return HiCacheStorageConfig(
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=is_mla,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name=model,
-        extra_config=dict(extra or {}),
-    )
-
-
 def make_store(root, *, kv=None, mamba=None, **kw):
     """L3FileStore on `root` with pools registered the way the hybrid controller does."""
-    from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang_l3.storage.backend import L3FileStore
 
     extra = {"store_dir": str(root), "min_free_bytes": 0, **kw.pop("extra", {})}
     store = L3FileStore(storage_config(extra=extra, **kw))
-    if kv is not None:
-        store.register_mem_pool_host(kv)
-        store.register_mem_host_pool_v2(kv, PoolName.KV)
-    if mamba is not None:
-        store.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    register_pools(store, kv, mamba)
     return store
 
 

@@ -7,6 +7,7 @@
 - `server`: start, talk to and stop `python -m sglang.launch_server` on the packaged tiny model.
 - `demo`, `demo_server`: `make demo`.
 - `coverage`: restorable-coverage arithmetic for benchmark/coverage.py.
+- `pools`: real upstream host pools and storage configs for store tests and benchmarks.
 
 Runtime code (plugin, patches, storage, quant, cpu, cpu_serving, metrics, cli) never
 imports this package.

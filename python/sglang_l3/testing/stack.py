@@ -452,6 +452,41 @@ class L3Stack:
         _pump(self.cache, lambda: not self.cache.buffer_pipeline.ongoing_buffer_load_back, "load-back ack")
         return req, int(loaded_len)
 
+    def check_restored(self, seq: list[int], req: Any, loaded: int, want: Snapshot, *, kv: bool = False) -> None:
+        """Assert a whole-sequence restore: the request is bound to the restored node, the
+        node and the request hold the Mamba state in different slots, and both equal `want`
+        (with `kv`, the device KV also equals what `write` stored)."""
+        m = self.match(seq)
+        assert loaded == len(seq) == m.device_prefix_len, (loaded, len(seq), m.device_prefix_len)
+        assert req.last_node == m.last_device_node, "request not bound to the restored node"
+        node_slot = self.node_mamba_slot(m.last_device_node)
+        req_slot = int(req.kv.mamba_pool_idx)
+        assert node_slot is not None, "restored node has no device Mamba state"
+        assert node_slot != req_slot, "request must never decode in the node's slot"
+        assert self.snapshot(m.last_device_node, req_slot).equal(want), "request Mamba slot / KV differ"
+        assert self.snapshot(m.last_device_node, node_slot).equal(want), "node Mamba slot / KV differ"
+        if kv:
+            k, v = self.expected_kv(seq)
+            got = self.snapshot(m.last_device_node, None)
+            assert got.k.equal(k) and got.v.equal(v), "restored KV differs"
+
+    def assert_recompute(self, seq: list[int], rid: str, timeout: float = 30.0) -> None:
+        """The restore attempt ends in recompute: nothing staged, and once the discarded
+        prefetch buffers come back (asynchronously), every pool is at its baseline."""
+        try:
+            self.restore(seq, rid)
+        except RestoreFailed:
+            pass
+        else:
+            raise AssertionError(f"{rid}: restored, but a recompute was expected")
+        assert self.match(seq).device_prefix_len == 0
+        self.evict_all()
+        deadline = time.monotonic() + timeout
+        while self.pool_sizes() != self.baseline and time.monotonic() < deadline:
+            self.cache.check_hicache_events()
+            time.sleep(0.01)
+        assert self.pool_sizes() == self.baseline, "a failed restore leaked pool capacity"
+
     def release(self, req: Any) -> None:
         """Finish a restored request: drop its private Mamba slot(s) and its row."""
         if req.kv.mamba_pool_idx is not None:
