@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from sglang_l3.patches.sessions import registry_of
-from sglang_l3.session_hints import DEFERRED_DEVICE_FULL
+from sglang_l3.session_hints import DEFERRED_DEVICE_FULL, HINT_EVICT_PREFIX
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
 
@@ -86,4 +86,16 @@ def test_without_guard_the_hint_evicts_the_open_session(tmp_path, without):
         resident = st.match(ctx_a).device_prefix_len
         h.serve(_hint(h, B, "b"))
         assert not sent
+        assert st.match(ctx_a).device_prefix_len < resident
+
+
+def test_a_hint_sent_with_evict_open_is_not_guarded(tmp_path):
+    """`"evict_open": true` on the hint (rid prefix HINT_EVICT_PREFIX): the
+    client knows who speaks next; the hint is admitted and A leaves the device."""
+    with L3Stack(HybridSpec(page_size=1, kv_size=KV_ROWS), str(tmp_path)) as st:
+        h, sent, ctx_a = _setup(st)
+        resident = st.match(ctx_a).device_prefix_len
+        h.serve(h.make_req(B, rid=HINT_EVICT_PREFIX + "b", max_new_tokens=0))
+        assert not sent
+        assert st.match(B).device_prefix_len > 0
         assert st.match(ctx_a).device_prefix_len < resident

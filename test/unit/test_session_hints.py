@@ -10,6 +10,7 @@ import pytest
 from sglang_l3.patches import framework
 from sglang_l3.session_hints import (
     DEFERRED_DEVICE_FULL,
+    HINT_EVICT_PREFIX,
     HINT_RID_PREFIX,
     HintBook,
     HintError,
@@ -54,6 +55,7 @@ def test_validation_gives_clear_answers():
         ({"input_ids": [True]}, 400),
         ({"input_ids": [5, 1000]}, 400),
         ({"input_ids": list(range(10))}, 400),
+        ({"input_ids": [1], "evict_open": "yes"}, 400),
     ):
         with pytest.raises(HintError) as e:
             book.validate(body, vocab_size=1000, context_len=8)
@@ -83,8 +85,8 @@ def test_identical_hints_run_once_and_requests_join():
         assert await asyncio.wait_for(waiter, 10) == 1
         assert h1.state == "landed" and h1.cached["storage"] == 128
         assert book.covering([1, 2, 3, 4, 5], None) == []
-        h3, created3 = book.start(sched, [1, 2, 3, 4], None)  # landed: a new hint may run
-        assert created3 and h3 is not h1
+        h3, created3 = book.start(sched, [1, 2, 3, 4], None, evict_open=True)  # landed: a new hint may run
+        assert created3 and h3 is not h1 and h3.id.startswith(HINT_EVICT_PREFIX)
         await asyncio.wait_for(h3.done.wait(), 10)
 
     asyncio.run(main())

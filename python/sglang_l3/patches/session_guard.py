@@ -19,7 +19,9 @@ contexts (each such node is locked for the measurement with upstream's
 answered with an abort whose message carries `deferred_device_full` (the
 hint's status says so) and never queued: no L3 read, no allocation, no
 eviction. The session's request, when it arrives, is an ordinary request:
-it restores from L3 exactly like on a server without hints.
+it restores from L3 exactly like on a server without hints. A hint sent with
+`"evict_open": true` (rid prefix HINT_EVICT_PREFIX) is not guarded: the
+client knows that session speaks next and accepts evicting the others.
 
 Same decision on every TP rank: it reads the radix tree, the allocators and
 the session registry, which every rank builds from the same requests in the
@@ -43,7 +45,7 @@ from typing import Any
 from sglang_l3 import metrics
 from sglang_l3.patches.framework import PatchContext
 from sglang_l3.patches.sessions import registry_of, session_id_of
-from sglang_l3.session_hints import DEFERRED_DEVICE_FULL, HINT_RID_PREFIX
+from sglang_l3.session_hints import DEFERRED_DEVICE_FULL, HINT_EVICT_PREFIX, HINT_RID_PREFIX
 
 logger = logging.getLogger("sglang_l3.session_guard")
 
@@ -191,6 +193,7 @@ def _add_request_to_queue(original: Any, sched: Any, req: Any, is_retracted: boo
     if (
         is_retracted
         or not (isinstance(rid, str) and rid.startswith(HINT_RID_PREFIX))
+        or rid.startswith(HINT_EVICT_PREFIX)  # the client accepted evicting open sessions
         or req.finished()
         or getattr(req, "to_finish", None) is not None
         or getattr(sched, "disaggregation_mode", DisaggregationMode.NULL) != DisaggregationMode.NULL
