@@ -63,8 +63,16 @@ def _server(cfg: ServerConfig, log: Path) -> Server:
     return Server(cfg, log, startup_timeout=STARTUP_TIMEOUT)
 
 
-def _record(store: Path, sid: str, *, want_open: bool | None = None, timeout: float = 60.0):
-    """The session's row in the persisted table (written asynchronously)."""
+def _record(
+    store: Path,
+    sid: str,
+    *,
+    want_open: bool | None = None,
+    want_tokens: int | None = None,
+    timeout: float = 60.0,
+):
+    """The session's row in the persisted table (written asynchronously; a
+    turn is recorded when it is queued, then again when it finishes)."""
     deadline = time.monotonic() + timeout
     while True:
         if table.list_tables(store):
@@ -72,10 +80,14 @@ def _record(store: Path, sid: str, *, want_open: bool | None = None, timeout: fl
                 for name in table.list_tables(store):
                     data = table.read_table_bytes(dirs, name)
                     for r in table.decode(data or b"", None)[1] if data else []:
-                        if r.id == sid and (want_open is None or r.open == want_open):
+                        if (
+                            r.id == sid
+                            and (want_open is None or r.open == want_open)
+                            and (want_tokens is None or r.tokens == want_tokens)
+                        ):
                             return r
         if time.monotonic() > deadline:
-            raise AssertionError(f"session {sid} (open={want_open}) not in the table of {store}")
+            raise AssertionError(f"session {sid} (open={want_open}, tokens={want_tokens}) not in the table of {store}")
         time.sleep(0.2)
 
 
@@ -133,7 +145,7 @@ def test_session_survives_a_restart_and_continues_from_l3(tmp_path):
     with _server(_config(store), tmp_path / "first.log") as s1:
         g1 = s1.generate(A0, NEW, extra={"session_id": SID})
         _same(g1, r1, "turn 1")
-        rec = _record(store, SID)
+        rec = _record(store, SID, want_tokens=len(A0) + NEW)
     assert rec.open and rec.tokens == len(A0) + NEW
     assert len(rec.keys) == (len(A0) + NEW) // PAGE_SIZE
     stored = _kv_keys(store)
@@ -144,10 +156,7 @@ def test_session_survives_a_restart_and_continues_from_l3(tmp_path):
 
     with _server(_config(store), tmp_path / "restarted.log") as s2:
         g2 = s2.generate(ctx2, NEW, extra={"session_id": SID})
-        rec2 = _record(store, SID, timeout=60)
-        while rec2.tokens != len(ctx2) + NEW:
-            time.sleep(0.2)
-            rec2 = _record(store, SID)
+        rec2 = _record(store, SID, want_tokens=len(ctx2) + NEW)
     assert g2.cached_storage >= 256, f"turn 2 after the restart: {g2.source}"
     _same(g2, r2, "turn 2 after a restart")
     assert rec2.open
@@ -167,7 +176,7 @@ def test_byte_cap_keeps_open_sessions_and_releases_closed_ones(tmp_path):
         tmp_path / "capped.log",
     ) as s:
         s.generate(A0, NEW, extra={"session_id": SID})
-        rec = _record(store, SID)
+        rec = _record(store, SID, want_tokens=len(A0) + NEW)
         held = _kv_keys(store) & set(rec.keys)
         assert held
         for i in range(3):  # plain traffic: 3 more contexts of the same size
