@@ -51,7 +51,7 @@ logger = logging.getLogger("sglang_l3.session_guard")
 
 CACHE = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
 SCHED = "sglang.srt.managers.scheduler:Scheduler"
-MAX_SESSIONS = 1024  # device contexts remembered (most recently finished first)
+MAX_SESSIONS = 256  # device contexts remembered (most recently finished first; 4 bytes a token)
 MAMBA_SLOTS_PER_HINT = 2  # the request's private slot + the node's cached snapshot
 
 
@@ -78,11 +78,14 @@ def _on_release(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) ->
     sid = session_id_of(req)
     if sid is None or not req.finished() or isinstance(req.finished_reason, FINISH_ABORT):
         return
-    if registry_of(cache) is None:
+    reg = registry_of(cache)
+    if reg is None:
         return
     book = contexts_of(cache)
+    for gone in [s for s in book if not reg.is_open(s)]:
+        del book[gone]  # closed or dropped: nothing to guard
     book[str(sid)] = _Context(
-        array("q", list(req.origin_input_ids) + list(req.output_ids)),
+        array("i", list(req.origin_input_ids) + list(req.output_ids)),
         req.extra_key,
         req.cache_salt,
     )
@@ -123,8 +126,7 @@ def verdict(sched: Any, req: Any) -> str | None:
     locks, owners = [], []
     try:
         for sid, ctx in book.items():
-            rec = reg.get(sid)
-            if rec is None or not rec.open:
+            if not reg.is_open(sid):
                 continue
             m = _match(cache, ctx.tokens, ctx.extra_key, ctx.cache_salt)
             if m.device_prefix_len <= 0 or cache.is_root(m.last_device_node):

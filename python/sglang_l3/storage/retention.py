@@ -183,6 +183,11 @@ class SessionRetention:
             r = self._sessions.get(sid)
             return None if r is None else SessionRecord(r.id, list(r.keys), r.tokens, r.priority, r.last_use, r.open)
 
+    def is_open(self, sid: str) -> bool:
+        with self._lock:
+            r = self._sessions.get(sid)
+            return r is not None and r.open
+
     def records(self) -> list[SessionRecord]:
         with self._lock:
             return [
