@@ -36,9 +36,6 @@ HINT_RID_PREFIX = "sglang-l3-hint-"
 # evict an open session's device context (patch session-guard); the marker is
 # carried in the abort message.
 DEFERRED_DEVICE_FULL = "deferred_device_full"
-# rid prefix of a hint sent with "evict_open": true - the client accepts that
-# staging it may evict other open sessions' device contexts (no guard)
-HINT_EVICT_PREFIX = HINT_RID_PREFIX + "evict-"
 MAX_CONTEXTS = 4096  # sessions whose last context this process remembers
 MAX_FINISHED = 4096  # finished hints kept for status queries
 JOIN_TIMEOUT_S = 600.0
@@ -129,8 +126,6 @@ class HintBook:
         sid, ids = body.get("session_id"), body.get("input_ids")
         if sid is not None and not (isinstance(sid, str) and 0 < len(sid) <= 256):
             raise HintError(400, "session_id must be a non-empty string")
-        if not isinstance(body.get("evict_open", False), bool):
-            raise HintError(400, "evict_open must be true or false")
         if ids is None:
             if sid is None:
                 raise HintError(400, "give session_id or input_ids")
@@ -154,14 +149,14 @@ class HintBook:
             )
         return list(ids), sid
 
-    def start(self, tm: Any, ids: list[int], sid: str | None, evict_open: bool = False) -> tuple[Hint, bool]:
+    def start(self, tm: Any, ids: list[int], sid: str | None) -> tuple[Hint, bool]:
         """(hint, created): an identical hint in flight is returned, not repeated."""
         key = tuple(ids)
         for h in self.inflight():
             if h.ids == key:
                 metrics.inc("session_hints", "joined_by_hint")
                 return h, False
-        h = Hint((HINT_EVICT_PREFIX if evict_open else HINT_RID_PREFIX) + uuid.uuid4().hex, key, sid)
+        h = Hint(hint_rid(sid), key, sid)
         self.hints[h.id] = h
         while len(self.hints) > MAX_FINISHED:
             oldest = next(iter(self.hints.values()))
@@ -207,6 +202,27 @@ class HintBook:
 BOOK = HintBook()
 
 
+def hint_rid(sid: str | None) -> str:
+    """A hint's request id. It carries the hinted session (hex, after a "-")
+    so the scheduler's guard (patch session-guard) knows whose turn it stages."""
+    rid = HINT_RID_PREFIX + uuid.uuid4().hex
+    return rid if sid is None else f"{rid}-{sid.encode().hex()}"
+
+
+def hint_session(rid: Any) -> str | None:
+    """The session a hint's request id names; None for a plain input_ids hint
+    (or anything that is not a well-formed hint id)."""
+    if not (isinstance(rid, str) and rid.startswith(HINT_RID_PREFIX)):
+        return None
+    _, sep, tail = rid[len(HINT_RID_PREFIX) :].partition("-")
+    if not sep or not tail:
+        return None
+    try:
+        return bytes.fromhex(tail).decode()
+    except ValueError:
+        return None
+
+
 def request_ids_and_session(obj: Any) -> tuple[list[int] | None, str | None, bool]:
     """(input ids, session id, is_hint) of a GenerateReqInput, for joining."""
     rid = getattr(obj, "rid", None)
@@ -225,10 +241,11 @@ def request_ids_and_session(obj: Any) -> tuple[list[int] | None, str | None, boo
 __all__ = [
     "BOOK",
     "DEFERRED_DEVICE_FULL",
-    "HINT_EVICT_PREFIX",
     "HINT_RID_PREFIX",
     "Hint",
     "HintBook",
     "HintError",
+    "hint_rid",
+    "hint_session",
     "request_ids_and_session",
 ]

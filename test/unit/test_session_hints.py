@@ -10,10 +10,11 @@ import pytest
 from sglang_l3.patches import framework
 from sglang_l3.session_hints import (
     DEFERRED_DEVICE_FULL,
-    HINT_EVICT_PREFIX,
     HINT_RID_PREFIX,
     HintBook,
     HintError,
+    hint_rid,
+    hint_session,
     request_ids_and_session,
 )
 
@@ -55,7 +56,6 @@ def test_validation_gives_clear_answers():
         ({"input_ids": [True]}, 400),
         ({"input_ids": [5, 1000]}, 400),
         ({"input_ids": list(range(10))}, 400),
-        ({"input_ids": [1], "evict_open": "yes"}, 400),
     ):
         with pytest.raises(HintError) as e:
             book.validate(body, vocab_size=1000, context_len=8)
@@ -85,8 +85,8 @@ def test_identical_hints_run_once_and_requests_join():
         assert await asyncio.wait_for(waiter, 10) == 1
         assert h1.state == "landed" and h1.cached["storage"] == 128
         assert book.covering([1, 2, 3, 4, 5], None) == []
-        h3, created3 = book.start(sched, [1, 2, 3, 4], None, evict_open=True)  # landed: a new hint may run
-        assert created3 and h3 is not h1 and h3.id.startswith(HINT_EVICT_PREFIX)
+        h3, created3 = book.start(sched, [1, 2, 3, 4], "agent-a")  # landed: a new hint may run
+        assert created3 and h3 is not h1 and hint_session(h3.id) == "agent-a"
         await asyncio.wait_for(h3.done.wait(), 10)
 
     asyncio.run(main())
@@ -106,6 +106,17 @@ def test_a_failing_hint_is_a_state():
         assert await book.join([1, 2, 3], None) == 0
 
     asyncio.run(main())
+
+
+def test_a_hints_request_id_names_its_session():
+    """The scheduler's guard learns the hinted session from the request id."""
+    for sid in ("agent-a", "a-b-c", "ünï", "x" * 256):
+        rid = hint_rid(sid)
+        assert rid.startswith(HINT_RID_PREFIX) and hint_session(rid) == sid
+    assert hint_session(hint_rid(None)) is None
+    assert hint_session(HINT_RID_PREFIX + "abc-zz") is None  # not hex: no session
+    assert hint_session("h1-6162") is None  # not a hint
+    assert hint_session(None) is None
 
 
 def test_a_hint_declined_by_the_guard_says_so():

@@ -79,7 +79,7 @@ def add_routes(app: Any) -> None:
         except HintError as e:
             metrics.inc("session_hints", f"rejected_{e.status}")
             return JSONResponse({"error": str(e)}, status_code=e.status)
-        hint, created = BOOK.start(tm, ids, sid, evict_open=body.get("evict_open") is True)
+        hint, created = BOOK.start(tm, ids, sid)
         return JSONResponse(
             {**hint.as_dict(), "joined": not created},
             status_code=202 if created else 200,
