@@ -132,3 +132,28 @@ def test_the_hinted_sessions_own_request_consumes_its_claim(tmp_path):
         h.serve(_hint_a(h))
         assert not sent
         assert st.match(A + [7]).device_prefix_len >= 256
+
+
+def test_a_context_still_queued_for_l3_is_protected(tmp_path, core):
+    """B finished but its pages' buffer-mode writes are still queued (not yet
+    launched: an eviction would drop them): A's hint is declined; once the
+    writes are out, it lands."""
+    with L3Stack(HybridSpec(page_size=1, kv_size=KV_ROWS), str(tmp_path), tree_core=core) as st:
+        h = SchedulerHarness(st)
+        sent: list = []
+        h.s.send_abort_output = lambda abort, req: sent.append((abort, req))
+        _serve(h, A, "agent-a")
+        b = h.make_req(B)
+        b.session_id = "agent-b"
+        h.serve(b)  # no flush: B's writes stay queued
+        assert st.cache.buffer_pipeline.pending_write_queue, "nothing queued for L3"
+        resident = st.match(B + [7]).device_prefix_len
+        h.arrive(_hint_a(h))
+        assert len(sent) == 1, "the hint was not declined"
+        message = sent[0][0].finished_reason["message"]
+        assert "agent-b (writing)" in message, message
+        assert st.match(B + [7]).device_prefix_len == resident
+        st.flush_backups()
+        h.serve(_hint_a(h))
+        assert len(sent) == 1
+        assert st.match(A + [7]).device_prefix_len >= 256

@@ -1,4 +1,4 @@
-"""Patch `session-guard`: a hint never evicts a *busy* open session's device context (issue 13).
+"""Patch `session-guard`: a hint replaces only an idle open session's device context (issue 13).
 
 A "speaks next" hint (session_hints.py) is an ordinary prefill-only request.
 Admitted into a full device pool, upstream's admission evicts device nodes by
@@ -24,8 +24,9 @@ arrival, the session
   (`UnifiedRadixCache` MIN-reduces the ack counts over the TP group).
 
 If staging the hint on the device needs more rows (or Mamba slots) than are
-free plus evictable with the protected contexts locked (upstream's
-`lock`/`unlock`, so the sizes are the tree core's own), the hint is answered
+free plus evictable with the protected contexts and the hint's own
+device prefix locked (upstream's `lock`/`unlock`, so the sizes are the tree
+core's own; admission locks that prefix too), the hint is answered
 AROUND `Scheduler._add_request_to_queue` with an abort whose message carries
 `deferred_device_full` and the protected sessions, and never queued: no L3
 read, no allocation, no eviction. The session's request, when it arrives, is
