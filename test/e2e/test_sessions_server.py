@@ -218,10 +218,12 @@ def test_speaks_next_hint_stages_from_l3_to_device(tmp_path):
     cfg = _config(store)
     cfg.max_total_tokens = SMALL_POOL  # the device pool holds one agent's context
     with _server(cfg, tmp_path / "hints.log") as s:
+        # the scenario: two open sessions, a pool that holds one context
         _same(s.generate(A0, NEW, extra={"session_id": SID}), r1, "A turn 1")
-        b1 = s.generate(B0, NEW)  # plain traffic: A leaves the device
+        b1 = s.generate(B0, NEW, extra={"session_id": "agent-b"})  # A leaves the device
         _same(b1, rb1, "B turn 1")
-        # hint A, then A's request at once: the request joins the hint
+        # hint A while idle B holds the device: it lands (B's context is safe in
+        # L3); A's request at once joins the hint and reads nothing from L3
         code, h = _post(s, "/sglang_l3/prefetch", {"session_id": SID})
         assert code == 200 and h["tokens"] == len(A0) + NEW and h["state"] in ("staging", "landed")
         a2 = s.generate(ctx2, NEW, extra={"session_id": SID})
@@ -230,8 +232,8 @@ def test_speaks_next_hint_stages_from_l3_to_device(tmp_path):
         assert a2.cached_storage == 0 and a2.cached_device >= 256, f"A turn 2 after the hint: {a2.source}"
         _same(a2, r2, "A turn 2 after a hint")
 
-        # guard: A is the open device resident; staging B's context would evict it,
-        # so the hint is declined and A's next turn still reads nothing from L3
+        # guard: a hint naming no session has the lowest priority, so it may not
+        # replace open A's device context: declined, A's next turn reads nothing from L3
         b_ctx = B0 + b1.output_ids
         code, hb = _post(s, "/sglang_l3/prefetch", {"input_ids": b_ctx})
         assert code == 200
@@ -240,20 +242,20 @@ def test_speaks_next_hint_stages_from_l3_to_device(tmp_path):
         assert SID in (st["error"] or ""), st
         # (A's turn 2 again: a longer turn would not fit the small pool's request limit)
         a3 = s.generate(ctx2, NEW, extra={"session_id": SID})
-        assert a3.cached_storage == 0 and a3.cached_device >= 256, f"A after B's hint: {a3.source}"
+        assert a3.cached_storage == 0 and a3.cached_device >= 256, f"A after a declined hint: {a3.source}"
         _same(a3, r2, "A after a declined hint")
 
-        # closing A releases it: B's hint lands, B's next turn is served from the device
-        assert s.post("/close_session", {"session_id": SID})[0] == 200
-        _record(store, SID, want_open=False)
-        code, hb = _post(s, "/sglang_l3/prefetch", {"input_ids": b_ctx})
+        # "B speaks next" by session: A is idle, so B's hint lands and B's turn 2
+        # is served from the device
+        code, hb = _post(s, "/sglang_l3/prefetch", {"session_id": "agent-b"})
         assert code == 200
         assert _wait_hint(s, hb["hint_id"])["state"] == "landed"
         b2 = s.generate(b_ctx + prompt(311, 48), NEW, extra={"session_id": "agent-b"})
         assert b2.cached_storage == 0 and b2.cached_device >= 256, f"B turn 2: {b2.source}"
         _same(b2, rb2, "B turn 2 after a hint")
-        assert s.post("/close_session", {"session_id": "agent-b"})[0] == 200
-        _record(store, "agent-b", want_open=False)
+        for sid in (SID, "agent-b"):
+            assert s.post("/close_session", {"session_id": sid})[0] == 200
+            _record(store, sid, want_open=False)
 
         # clear answers
         assert _post(s, "/sglang_l3/prefetch", {"session_id": "nobody"})[0] == 404
