@@ -72,6 +72,8 @@ def test_conversation_4x_host_buffer_restores_from_l3(tmp_path) -> None:
     l3_cfg = ServerConfig(
         storage_dir=str(tmp_path / "store"),
         prefetch_threshold=PREFETCH_THRESHOLD,
+        # the user's default `timeout` stop policy, with a budget a loaded 2-core box cannot miss
+        storage_extra_config={"prefetch_timeout_base": 600},
         extra_args=["--hicache-ratio", str(HICACHE_RATIO)],
         **base,
     )

@@ -15,8 +15,11 @@ own rather than by upstream's prefetch thread):
   so every rank lands, fails or aborts the same piece at the same tick.
 - Meanwhile upstream's operation stays parked (`allocate_and_queue_prefetch`
   returns False, the path upstream uses for a host shortfall; parked ops hold no
-  anchor pin) and `check_prefetch_progress` holds the request, whatever the prefetch
-  stop policy. J stays pinned by our own full pin on the anchor node.
+  anchor pin) and `check_prefetch_progress` holds the request while
+  `--hicache-storage-prefetch-policy` allows: `wait_complete` waits, `timeout` waits
+  within upstream's budget for the whole hit, `best_effort` stops at the first poll
+  (the stream ends, `l3_stream_restore{stop_*}`, and the request recomputes).
+  J stays pinned by our own full pin on the anchor node.
 - Round k is upstream's own prefetch, trimmed by |R| (`_trim_buffer_prefetch_full_head`):
   the last piece and the Mamba checkpoint at P through upstream's thread, ack drain
   and `stage_completed_prefetch`. The staged hold is then widened to [J, P).
@@ -30,7 +33,12 @@ own rather than by upstream's prefetch thread):
   a piece (the prefetch is revoked, the request recomputes, KV beliefs healed),
   abort (upstream retires the op; our tick sees it gone), a staged hold released
   (abort, shrunk, device capacity), or `reset` (pools are cleared wholesale there).
-- A hit the stream cannot take (device rows short, shared host layout, SWA) is left
+- Short device pool: when free + evictable device tokens cannot take the whole hit,
+  the op is cut to the longest part ending at a stored Mamba checkpoint that fits
+  (a hybrid prefix is only usable there); the request computes the rest. The fit and
+  the per-length restorable flags are MIN-reduced across TP ranks in one collective.
+  Counted in `l3_stream_restore{truncated_device}`.
+- A hit the stream cannot take (no checkpoint fits, shared host layout, SWA) is left
   to upstream, which declines it; counted in `l3_stream_restore{declined_*}`.
 """
 
@@ -99,6 +107,7 @@ class Lane:
 
     def __init__(self) -> None:
         self.streams: dict[Any, Stream] = {}
+        self.local_drain = False  # inside upstream's unsynchronised (detach) drain
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -168,7 +177,68 @@ def _copy_to_device(cc: Any, host: torch.Tensor, rows: torch.Tensor) -> None:
 
 
 # --------------------------------------------------------------------- lifecycle
-def _start(pipe: Any, op: Any, hit_tokens: int) -> Stream | None:
+def _restorable_flags(op: Any, hit_pages: int) -> list[int]:
+    """flags[c] = 1 where this rank's store holds KV and the Mamba checkpoint at c pages
+    past the stream's start (the hit query's sparse result; upstream's contract when a
+    backend reports none: contiguous). The synced hit end is restorable on every rank."""
+    flags = [0] * (hit_pages + 1)
+    flags[hit_pages] = 1
+    if op.assume_stored:
+        return flags  # nothing was queried: only the end is known to hold a state
+    offset = op.prefetch_kv_page_offset  # pages upstream trimmed off the queried head
+    pages = op.pool_storage_result.restorable_prefix_pages
+    if pages is None:
+        pages = range(offset + 1, offset + hit_pages + 1)
+    for q in pages:
+        if 1 <= q - offset <= hit_pages:
+            flags[q - offset] = 1
+    return flags
+
+
+def _truncate(cache: Any, op: Any, pages: int) -> None:
+    """Cut the op's hit to its first `pages` pages; the Mamba sidecar follows the new end
+    (the checkpoint there was vouched for on every rank by the MIN-reduced flags)."""
+    cut = len(op.hash_value) - pages
+    if op.sidecar_hash_values is not None:
+        keep = op.sidecar_hit_pages - cut
+        op.sidecar_hash_values = list(op.sidecar_hash_values[:keep])
+        op.sidecar_hit_pages = keep
+    op.hash_value = list(op.hash_value[:pages])
+    op.storage_hit_count = pages * cache.page_size
+    # The dropped tail is recomputed: upstream's own unfulfilled-token accounting.
+    reason = "device_capacity" if cache.storage_metrics_collector is not None else None
+    cache._resolve_storage_prefetch_tokens(op.handle, cut * cache.page_size, reason=reason)
+
+
+UPSTREAM = "upstream"  # _start's verdict: the (truncated) hit now fits the host arena
+
+
+def _device_fit(pipe: Any, op: Any, hit_tokens: int) -> int:
+    """Tokens of the hit the device pool can take now (free + evictable, page-floored;
+    the last piece included, so admission does not defer on the restored part), and the
+    longest restorable prefix within that, MIN-reduced across TP ranks in one collective
+    (this runs in the hit drain, a lockstep point, for every stream start)."""
+    cache = pipe._cache
+    page = cache.page_size
+    allocator = cache.token_to_kv_pool_allocator
+    avail = allocator.available_size()
+    if avail < hit_tokens:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        cache.evict_for_alloc(EvictParams(num_tokens=hit_tokens - avail))
+    fit = allocator.available_size() // page * page
+    hit_pages = hit_tokens // page
+    t = torch.tensor(_restorable_flags(op, hit_pages) + [fit], dtype=torch.int64)
+    cache._all_reduce(t, torch.distributed.ReduceOp.MIN)
+    agreed = t.tolist()
+    fit = int(agreed[-1])
+    if fit >= hit_tokens:
+        return hit_tokens
+    best = max((c for c in range(1, hit_pages + 1) if agreed[c] and c * page <= fit), default=0)
+    return best * page
+
+
+def _start(pipe: Any, op: Any, hit_tokens: int) -> Stream | str | None:
     cache = pipe._cache
     cc = cache.cache_controller
     handle = op.handle
@@ -183,6 +253,9 @@ def _start(pipe: Any, op: Any, hit_tokens: int) -> Stream | None:
             hit_tokens,
         )
 
+    if lane_of(pipe).local_drain:
+        decline("detaching")  # no collective off the lockstep path; upstream declines
+        return None
     if cache.supports_swa() or pipe._shared_host_domain() is not None:
         decline("layout")
         return None
@@ -191,17 +264,33 @@ def _start(pipe: Any, op: Any, hit_tokens: int) -> Stream | None:
         decline("layout")
         return None
     p = piece_tokens(pipe)
+    if not cc.can_fit_prefetch_host_buffers(op, min(hit_tokens, p)):
+        decline("host_too_small")
+        return None
+    fit = _device_fit(pipe, op, hit_tokens)
+    if fit == 0:
+        decline("device_short")
+        return None
+    if fit < hit_tokens:
+        # The device pool cannot hold the whole hit: restore the longest part ending at a
+        # stored checkpoint that fits; the request computes the rest.
+        metrics.inc("l3_stream_restore", "truncated_device")
+        logger.warning(
+            "streamed restore truncated req=%s reason=device_short hit=%d restorable=%d",
+            handle.rid,
+            hit_tokens,
+            fit,
+        )
+        _truncate(cache, op, fit // page)
+        hit_tokens = fit
+        if cc.can_fit_prefetch_host_buffers(op, hit_tokens):
+            return UPSTREAM
     k = -(-hit_tokens // p)
     r_len = (k - 1) * p
     if r_len <= 0 or not cc.can_fit_prefetch_host_buffers(op, hit_tokens - r_len):
         decline("host_too_small")
         return None
     allocator = cache.token_to_kv_pool_allocator
-    avail = allocator.available_size()
-    if avail < r_len:
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        cache.evict_for_alloc(EvictParams(num_tokens=r_len - avail))
     rows = allocator.alloc(r_len) if allocator.available_size() >= r_len else None
     if rows is None:
         decline("device_short")
@@ -358,8 +447,14 @@ def apply(ctx: PatchContext) -> None:
         if s is None:
             if self._cache.cache_controller.can_fit_prefetch_host_buffers(op, hit_tokens):
                 return orig(self, op, info, hit_tokens, aux_hit_tokens)
-            if _start(self, op, hit_tokens) is None:
+            started = _start(self, op, hit_tokens)
+            if started is None:
                 return orig(self, op, info, hit_tokens, aux_hit_tokens)  # upstream declines
+            if started == UPSTREAM:
+                # Truncated to a hit the host arena takes whole: upstream's own path.
+                hit_tokens = op.storage_hit_count
+                aux = op.sidecar_hit_pages * self._cache.page_size if op.sidecar_hash_values is not None else hit_tokens
+                return orig(self, op, info, hit_tokens, aux)
             self.release_anchor_lock(op.handle)  # parked ops hold no pin; ours is separate
             return False
         if s.op is not op or s.state not in ("reading", "ready"):
@@ -456,11 +551,19 @@ def apply(ctx: PatchContext) -> None:
         return had
 
     def progress(orig: Any, self: Any, request: Any) -> bool:
-        if self.buffer_pipeline is not None:
-            s = lane_of(self.buffer_pipeline).streams.get(request)
-            if s is not None and s.state in ("reading", "ready", "final") and request in self.ongoing_prefetch:
-                return False  # the request waits for its stream, whatever the stop policy
-        return orig(self, request)
+        pipe = self.buffer_pipeline
+        s = lane_of(pipe).streams.get(request) if pipe is not None else None
+        info = self.ongoing_prefetch.get(request)
+        if s is None or s.state not in ("reading", "ready") or info is None or info.operation is not s.op:
+            return orig(self, request)  # the final round is upstream's own prefetch: its policy applies
+        # Rounds 1..k-1: upstream's op is parked, so upstream would stop it at once;
+        # apply the stop policy to the stream instead (same rank-agreed vote and time
+        # budget as upstream's: base + per page of the whole hit, from the first poll).
+        if self.prefetch_stop_policy == "wait_complete" or not self._can_terminate_prefetch(s.op):
+            self._start_storage_prefetch_wait(s.op)
+            return False
+        _abort(pipe, s, f"stop_{self.prefetch_stop_policy}")
+        return orig(self, request)  # revokes the parked op (deadline / miss); the tick frees R
 
     def events(orig: Any, self: Any) -> None:
         orig(self)
@@ -494,7 +597,18 @@ def apply(ctx: PatchContext) -> None:
             lane.streams.clear()
         orig(self)
 
+    def local_drain(orig: Any, self: Any) -> None:
+        lane = lane_of(self.buffer_pipeline) if self.buffer_pipeline is not None else None
+        if lane is None:
+            return orig(self)
+        lane.local_drain = True
+        try:
+            return orig(self)
+        finally:
+            lane.local_drain = False
+
     ctx.around(f"{PIPE}.allocate_and_queue_prefetch", allocate)
+    ctx.around(f"{URC}.drain_storage_control_queues_local", local_drain)
     ctx.around(f"{PIPE}.stage_completed_prefetch", stage)
     ctx.around(f"{PIPE}._allocate_and_queue_load_back", load_back)
     ctx.around(f"{PIPE}.release_staged_hold", release_staged)

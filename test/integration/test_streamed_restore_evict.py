@@ -1,0 +1,247 @@
+"""Device eviction while a streamed restore is in flight (`streamed-restore`, issue 11).
+
+Real upstream stack on CPU (`L3Stack`), both tree cores, page 64, a context 8x the
+host buffer. The reader holds the context's first turn on the device (the splice
+base J) and an unrelated context; mid-stream (pieces landed in the private rows R,
+more in flight) the device is put under pressure: everything evictable is evicted
+and the freed rows are handed to someone else, who scribbles over them.
+
+- J pinned (the default anchor cap): the unrelated context goes, J's KV stays
+  (the full pin does not hold J's Mamba state, which the restore does not need:
+  the state comes at the end P); the restore completes and the whole context — J from the device, R and the last
+  piece from L3 — is bit-exact, Mamba slots included; pools back to baseline.
+- J unpinned (anchor cap 0, upstream launches "unlocked"): J goes; the stream
+  notices (upstream revokes the op on `anchor_lost`), frees R once and stages
+  nothing; a later restore of the whole context from L3 is bit-exact. The same
+  after the stream staged: admission finds the plan shrunk, the hold and R go.
+- The prefetch stop policy applied to a stream's rounds.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+
+import pytest
+from sglang_l3 import metrics
+from sglang_l3.patches.streamed_restore import lane_of
+from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
+
+PAGE = 64
+BUFFER = 256
+TURN1 = 512
+CONTEXT = 8 * (BUFFER + PAGE)  # 2560 tokens, 8x the reader's host pool (320)
+
+
+def spec() -> HybridSpec:
+    return HybridSpec(page_size=PAGE, kv_size=6144, max_context_len=CONTEXT + 256)
+
+
+def stack(tmp_path, core: str) -> L3Stack:
+    s = spec()
+    st = L3Stack(s, str(tmp_path), tree_core=core, server_args={"hicache_ratio": BUFFER / s.kv_size})
+    cc = st.cache.cache_controller
+    cc.prefetch_capacity_limit = int(0.9 * cc.mem_pool_host.size)
+    return st
+
+
+def pump(st: L3Stack, cond, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        st.cache.check_hicache_events()
+        time.sleep(0.002)
+
+
+def start_prefetch(st: L3Stack, seq: list[int], rid: str):
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+    h = CacheRequestHandle(rid, 0)
+    st.cache.prefetch_from_storage(h, st.cache.root_node_handle(), array("q", seq), None, None)
+    return h
+
+
+def check_restored(st: L3Stack, seq: list[int], req, loaded: int, want, resident: int = 0) -> None:
+    """`loaded`: tokens loaded from the host (after `resident` tokens of FULL KV the
+    device already held)."""
+    m = st.match(seq)
+    assert resident + loaded == len(seq) == m.device_prefix_len
+    assert req.last_node == m.last_device_node, "request not bound to the restored node"
+    node_slot = st.node_mamba_slot(m.last_device_node)
+    req_slot = int(req.kv.mamba_pool_idx)
+    assert node_slot is not None and node_slot != req_slot
+    assert st.snapshot(m.last_device_node, req_slot).equal(want), "request Mamba slot differs"
+    assert st.snapshot(m.last_device_node, node_slot).equal(want), "node Mamba slot differs"
+    k, v = st.expected_kv(seq)
+    got = st.snapshot(m.last_device_node, None)
+    assert got.k.equal(k) and got.v.equal(v), "restored KV differs"
+
+
+def back_to_baseline(st: L3Stack, *reqs) -> None:
+    for req in reqs:
+        st.release(req)
+    st.evict_all()
+    st.settle()
+    pipe = st.cache.buffer_pipeline
+    assert not lane_of(pipe).streams
+    assert pipe.anchor_locked_tokens_ == 0
+    assert pipe.is_idle()
+    assert st.cache.cache_controller.prefetch_tokens_occupied == 0
+    st.cache.sanity_check()
+    assert st.pool_sizes() == st.baseline, "a pool did not return to its baseline"
+
+
+def pressure(st: L3Stack) -> None:
+    """Evict everything evictable, hand the freed rows to another request, scribble
+    over them, and give them back."""
+    st.evict_all()
+    free = st.allocator.available_size()
+    other = st.allocator.alloc(free // PAGE * PAGE)
+    assert other is not None
+    layer = st.kv_pool.start_layer
+    st.kv_pool.get_key_buffer(layer)[other] = -3
+    st.kv_pool.get_value_buffer(layer)[other] = -3
+    st.allocator.free(other)
+
+
+@pytest.mark.parametrize("core", TREE_CORES)
+@pytest.mark.parametrize("pinned", (True, False))
+def test_eviction_mid_stream(tmp_path, monkeypatch, core: str, pinned: bool) -> None:
+    seq = list(range(11, 11 + CONTEXT))
+    other = list(range(70_000, 70_000 + 4 * PAGE))
+    with stack(tmp_path, core) as w:
+        w.write(seq[:TURN1], marker=3.0)
+        want = w.write(seq, marker=4.0)
+        w.settle()
+    if not pinned:
+        monkeypatch.setenv("SGLANG_HICACHE_BUFFER_ANCHOR_LOCK_CAP", "0")
+    with stack(tmp_path, core) as st:
+        pipe = st.cache.buffer_pipeline
+        lane = lane_of(pipe)
+        assert (pipe.anchor_lock_cap_tokens > 0) == pinned
+        # The reader computed turn 1 itself (same KV and state as the writer's) and
+        # holds an unrelated context; both are unlocked, evictable tree nodes.
+        st.write(seq[:TURN1], marker=3.0, flush=False)
+        st.write(other, marker=5.0, flush=False)
+        st.flush_backups()
+        h = start_prefetch(st, seq, "long")
+        pump(st, lambda: h in lane.streams and lane.streams[h].landed_pages >= 1, "a landed piece")
+        s = lane.streams[h]
+        assert s.start == TURN1 and s.state == "reading" and s.next_page < len(s.keys)
+        pressure(st)
+        assert st.match(other).device_prefix_len == 0, "the unrelated context must be evicted"
+        if pinned:
+            # The pin keeps J's KV (its Mamba state may go: the restore brings the
+            # state at P, not at J).
+            assert st.match(seq[:TURN1]).full_kv_hit_length == TURN1, "the pinned base was evicted"
+            pump(st, lambda: st.cache.check_prefetch_progress(h) and pipe.has_staged(h), "the stream to stage")
+            assert st.cache.pop_prefetch_loaded_tokens(h) == CONTEXT - TURN1
+            # R's pieces landed before the pressure are checked here too: had R been
+            # freed, its rows would have been scribbled by `pressure`.
+            req, loaded = st.admit(h, seq, "long")
+            check_restored(st, seq, req, loaded, want, resident=TURN1)
+            back_to_baseline(st, req)
+            return
+        assert st.match(seq[:TURN1]).device_prefix_len == 0, "an unpinned base is evictable"
+        aborted = metrics.get("l3_stream_restore", "aborted")
+        pump(st, lambda: st.cache.check_prefetch_progress(h) and not lane.streams, "the stream to end")
+        assert not pipe.has_staged(h), "a stream whose base was evicted must not stage"
+        assert metrics.get("l3_stream_restore", "aborted") == aborted + 1
+        st.cache.pop_prefetch_loaded_tokens(h)
+        back_to_baseline(st)
+        # The whole context still comes back from L3, bit-exact.
+        st.scribble()
+        req, loaded = st.restore(seq, "again")
+        check_restored(st, seq, req, loaded, want)
+        back_to_baseline(st, req)
+
+
+@pytest.mark.parametrize("core", TREE_CORES)
+@pytest.mark.parametrize("policy", ("best_effort", "timeout", "wait_complete"))
+def test_stop_policy_applies_to_the_stream(tmp_path, monkeypatch, core: str, policy: str) -> None:
+    """`--hicache-storage-prefetch-policy` while rounds run (upstream's op is parked):
+    best_effort stops the stream at the first admission poll; timeout at the first
+    poll past upstream's budget (here 0 s); wait_complete waits. A stopped stream
+    frees R once, stages nothing, and the request recomputes (pools at baseline)."""
+    import sglang_l3.patches.streamed_restore as sr
+
+    seq = list(range(11, 11 + CONTEXT))
+    with stack(tmp_path, core) as w:
+        want = w.write(seq, marker=4.0)
+        w.settle()
+    read = sr._read_piece
+
+    def slow_read(cc, op, keys, host, prefix):
+        time.sleep(0.02)  # keep the stream in its rounds while the request is polled
+        return read(cc, op, keys, host, prefix)
+
+    monkeypatch.setattr(sr, "_read_piece", slow_read)
+    with stack(tmp_path, core) as st:
+        cache, pipe = st.cache, st.cache.buffer_pipeline
+        lane = lane_of(pipe)
+        cache.prefetch_stop_policy = policy
+        cache.prefetch_timeout_base = cache.prefetch_timeout_per_page = 0.0
+        stopped = metrics.get("l3_stream_restore", f"stop_{policy}")
+        st.scribble()
+        h = start_prefetch(st, seq, "p")
+        pump(st, lambda: h in lane.streams, "the stream to start")
+        assert lane.streams[h].state == "reading"
+        polls = [cache.check_prefetch_progress(h)]
+        if policy == "timeout":
+            assert polls == [False], "the first poll starts the budget"
+            time.sleep(0.01)
+            polls.append(cache.check_prefetch_progress(h))
+        if policy == "wait_complete":
+            assert polls == [False]
+            pump(st, lambda: cache.check_prefetch_progress(h) and pipe.has_staged(h), "the stream to stage")
+            assert cache.pop_prefetch_loaded_tokens(h) == CONTEXT
+            req, loaded = st.admit(h, seq, "p")
+            check_restored(st, seq, req, loaded, want)
+            back_to_baseline(st, req)
+            return
+        assert polls[-1] is True, "the policy must stop the stream"
+        assert h not in cache.ongoing_prefetch and not pipe.has_staged(h)
+        pump(st, lambda: not lane.streams, "the stopped stream to end")
+        assert metrics.get("l3_stream_restore", f"stop_{policy}") == stopped + 1
+        assert cache.pop_prefetch_loaded_tokens(h) == 0
+        back_to_baseline(st)
+
+
+@pytest.mark.parametrize("core", TREE_CORES)
+def test_unpinned_base_evicted_after_staging(tmp_path, monkeypatch, core: str) -> None:
+    """The stream staged (R private, last piece in the host bounce), then J (unpinned,
+    anchor cap 0) is evicted before admission: upstream's `prepare_staged_prefetch`
+    finds the plan shrunk and releases the staged hold; R is freed with it, once,
+    and nothing is spliced. A later restore of the whole context is bit-exact."""
+    seq = list(range(11, 11 + CONTEXT))
+    with stack(tmp_path, core) as w:
+        w.write(seq[:TURN1], marker=3.0)
+        want = w.write(seq, marker=4.0)
+        w.settle()
+    monkeypatch.setenv("SGLANG_HICACHE_BUFFER_ANCHOR_LOCK_CAP", "0")
+    with stack(tmp_path, core) as st:
+        pipe = st.cache.buffer_pipeline
+        lane = lane_of(pipe)
+        st.write(seq[:TURN1], marker=3.0, flush=False)
+        st.flush_backups()
+        h = start_prefetch(st, seq, "late")
+        pump(st, lambda: st.cache.check_prefetch_progress(h) and pipe.has_staged(h), "the stream to stage")
+        assert lane.streams[h].state == "staged" and lane.streams[h].start == TURN1
+        assert st.cache.pop_prefetch_loaded_tokens(h) == CONTEXT - TURN1
+        released = metrics.get("l3_stream_restore", "released_shrunk")
+        pressure(st)
+        assert st.match(seq[:TURN1]).full_kv_hit_length == 0, "an unpinned base is evictable"
+        # Admission (as `L3Stack.admit`, before any slot is taken): the plan has
+        # shrunk, the hold is released.
+        req = st.new_req("late", seq)
+        req.cache_request_handle = h
+        m = st.match(seq)
+        req.prefix_len, req.last_node = m.device_prefix_len, m.last_device_node
+        assert not pipe.prepare_staged_prefetch(req), "a shrunk plan must not be admitted"
+        assert not pipe.has_staged(h) and not lane.streams
+        assert metrics.get("l3_stream_restore", "released_shrunk") == released + 1
+        back_to_baseline(st)
+        st.scribble()
+        req, loaded = st.restore(seq, "again")
+        check_restored(st, seq, req, loaded, want)
+        back_to_baseline(st, req)
