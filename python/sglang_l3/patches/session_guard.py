@@ -199,11 +199,14 @@ def verdict(sched: Any, req: Any) -> str | None:
     free = int(sched.token_to_kv_pool_allocator.available_size())
     if need <= free:
         return None  # nothing is evicted at all
+    hinted = _HINTED.get(cache)
+    for gone in [s for s in (hinted or ()) if not reg.is_open(s)]:
+        del hinted[gone]  # closed or dropped: its claim goes too (a reopened session starts clean)
     hinted_sid = hint_session(req.rid)
     hinted_rec = reg.get(hinted_sid) if hinted_sid is not None else None
     ctx = {
         "busy": busy_sessions(sched),
-        "hinted": set(_HINTED.get(cache) or ()),
+        "hinted": set(hinted or ()),
         "prio": None if hinted_rec is None else hinted_rec.priority,  # None: lowest
         "writes": _queued_write_nodes(cache),
     }
