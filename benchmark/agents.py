@@ -3,29 +3,43 @@ retention (issue 13), measured side by side in one run.
 
 Real servers (`sglang_l3.testing.server`, the packaged tiny Qwen3-Next on CPU
 unless --device cuda), buffer-only HiCache over the sglang-l3 `file` store.
-Each agent has a long context; every turn appends a new user message to its
-history + last answer. The device pool holds about one agent's context, so a
+
+Workload (identical in every run): each agent starts with a long context
+(--context tokens: system prompt, tools, history) and every turn appends a
+short user message (--message tokens) to its history + last answer (--new
+tokens). Round 1 goes in agent order; later rounds in a seeded random order
+(nobody speaks twice in a row), as a framework's scheduler would. The device
+pool (--pool, default 1.5 contexts) holds about one agent's context, so a
 returning agent's context comes back from L3. Between turns the framework
-"thinks" for --think seconds (identical in every run).
+"thinks" for --think seconds.
 
 Runs:
   cold      no hints: each turn >= 2 restores its context from L3 on arrival
   hinted    when an agent has answered, the framework hints the next speaker
-            (POST /sglang_l3/prefetch with its session_id) before thinking
-  capped    byte-capped store (--cap-contexts x one context) with one-off
-            "noise" prompts between turns, with session retention and with it
-            disabled (SGLANG_L3_DISABLE=sessions: plain LRU)
+            (POST /sglang_l3/prefetch with its session_id), then thinks
+  device    reference: a pool that holds every context, no hints - what a
+            device hit costs (the floor a hinted turn should reach)
+  retained  byte-capped store (--cap x the agents' contexts, measured on the
+            cold run's store) with a one-off "noise" prompt (--noise tokens,
+            no session) after every turn, session retention on
+  lru       the same with retention disabled (SGLANG_L3_DISABLE=sessions):
+            upstream's plain LRU
 
-Prints per run the median TTFT of turns >= 2 and the tokens restored from L3;
-last line: hint_ttft_vs_cold=R retained_hit_vs_lru=H (targets R <= 0.5, H >= 1.5).
+Prints per run the median TTFT of turns >= 2 and the tokens found in L3 /
+on the device; last line: hint_ttft_vs_cold=R retained_hit_vs_lru=H with
+R = median TTFT hinted / cold and H = cached tokens (L3 + device) of turns
+>= 2, retained / lru (targets R <= 0.5, H >= 1.5).
 
-    .venv/bin/python benchmark/agents.py [--agents 4] [--turns 3] [--context 400]
+    nice -n 10 .venv/bin/python benchmark/agents.py [--agents 4] [--turns 3] [--context 3072]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
+import re
 import statistics
 import sys
 import tempfile
@@ -43,8 +57,7 @@ from sglang_l3.testing.server import (
 )
 
 PAGE = 64
-NEW = 12
-MESSAGE = 48
+MODEL_CONTEXT = 4096  # the packaged tiny Qwen3-Next's context length
 
 
 @dataclass
@@ -53,34 +66,56 @@ class Run:
     ttft: list[float] = field(default_factory=list)  # turns >= 2
     restored: int = 0  # tokens restored from L3 on turns >= 2
     device: int = 0  # tokens found on the device on turns >= 2
-    turns: int = 0
+    prompt: int = 0  # prompt tokens of turns >= 2
+    hints_landed: int = 0  # hinted turns whose hint had landed when the request was sent
+    hints: int = 0
+    rids: list[str] = field(default_factory=list)  # turns >= 2
+    queue: list[float] = field(default_factory=list)  # server queue seconds of turns >= 2
 
     @property
     def median_ttft(self) -> float:
         return statistics.median(self.ttft) if self.ttft else float("nan")
 
+    @property
+    def median_queue(self) -> float:
+        return statistics.median(self.queue) if self.queue else float("nan")
 
-def _config(args: argparse.Namespace, store: Path, **extra) -> ServerConfig:
+    @property
+    def hit(self) -> int:
+        return self.restored + self.device
+
+
+def speaking_order(agents: int, turns: int, seed: int) -> list[tuple[int, int]]:
+    """(turn, agent): round 1 in agent order, then seeded shuffled rounds in
+    which nobody speaks twice in a row."""
+    rng = random.Random(seed)
+    order = [(0, a) for a in range(agents)]
+    for t in range(1, turns):
+        rnd = list(range(agents))
+        rng.shuffle(rnd)
+        if rnd[0] == order[-1][1]:
+            rnd[0], rnd[-1] = rnd[-1], rnd[0]
+        order += [(t, a) for a in rnd]
+    return order
+
+
+def _config(args: argparse.Namespace, store: Path, pool: int, disable: str = "", **extra) -> ServerConfig:
     return ServerConfig(
         storage_dir=str(store),
         device=args.device,
-        max_total_tokens=args.pool,
+        max_total_tokens=pool,
         chunked_prefill_size=256,
         prefetch_threshold=PAGE,
         page_size=PAGE,
         storage_extra_config=extra,
-        env={"SGLANG_L3_DISABLE": args.disable} if args.disable else {},
+        env={"SGLANG_L3_DISABLE": disable} if disable else {},
+        # per-request queue/forward durations in the server log (ReqTimeStats lines)
+        extra_args=["--enable-request-time-stats-logging"],
     )
 
 
-def _wait_hint(s: Server, hint_id: str, timeout: float) -> None:
-    import json
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if json.loads(s._request("GET", f"/sglang_l3/prefetch/{hint_id}"))["state"] != "staging":
-            return
-        time.sleep(0.05)
+def _hint_state(s: Server, hint_id: str) -> str:
+    return json.loads(s._request("GET", f"/sglang_l3/prefetch/{hint_id}"))["state"]
 
 
 def agents_run(
@@ -88,111 +123,152 @@ def agents_run(
     label: str,
     store: Path,
     *,
-    hints: bool,
-    noise: bool,
+    pool: int,
+    hints: bool = False,
+    noise: bool = False,
+    disable: str = "",
     log_dir: Path,
     **extra,
 ) -> Run:
     run = Run(label)
     histories = {a: prompt(1000 + a, args.context) for a in range(args.agents)}
-    order = [(t, a) for t in range(args.turns) for a in range(args.agents)]
-    with Server(_config(args, store, **extra), log_dir / f"{label}.log", startup_timeout=900) as s:
+    order = speaking_order(args.agents, args.turns, args.seed)
+    hint_id: str | None = None
+    with Server(_config(args, store, pool, disable, **extra), log_dir / f"{label}.log", startup_timeout=900) as s:
         for i, (t, a) in enumerate(order):
-            ids = histories[a] + prompt(10_000 * a + t, MESSAGE)
-            g = s.generate(ids, NEW, extra={"session_id": f"agent-{a}"})
+            state = "-"
+            if hint_id is not None:
+                state = _hint_state(s, hint_id)
+                run.hints += 1
+                run.hints_landed += state == "landed"
+                hint_id = None
+            ids = histories[a] + prompt(10_000 * a + t, args.message)
+            g = s.generate(ids, args.new, extra={"session_id": f"agent-{a}"})
             histories[a] = ids + g.output_ids
             if t >= 1:
                 run.ttft.append(g.ttft_s)
+                run.rids.append(str(g.meta.get("id")))
                 run.restored += g.cached_storage
                 run.device += g.cached_device
-            run.turns += 1
+                run.prompt += len(ids)
+            if args.verbose:
+                print(
+                    f"  {label} turn {t + 1} agent {a}: {len(ids)} tokens, TTFT {g.ttft_s * 1e3:.0f} ms, "
+                    f"cached: {g.source}, hint {state}, rid {g.meta.get('id')}",
+                    flush=True,
+                )
             if noise:
-                s.generate(prompt(50_000 + i, args.context), NEW)  # a one-off prompt, no session
+                s.generate(prompt(50_000 + i, args.noise), args.new)  # a one-off prompt, no session
             if i + 1 < len(order):
-                nxt = order[i + 1][1]
-                if hints and order[i + 1][0] >= 1:  # the next speaker has a context to stage
+                t_next, nxt = order[i + 1]
+                if hints and t_next >= 1:  # the next speaker has a context to stage
                     _, h = s.post("/sglang_l3/prefetch", {"session_id": f"agent-{nxt}"})
-                    if args.think <= 0:
-                        _wait_hint(s, h["hint_id"], 600)
+                    hint_id = h["hint_id"]
                 time.sleep(max(args.think, 0.0))
+    run.queue = queue_seconds(log_dir / f"{label}.log", run.rids)
     return run
+
+
+QUEUE_RE = re.compile(r"ReqTimeStats\(rid=([^,]+),.*queue_duration=([0-9.]+)ms")
+
+
+def queue_seconds(log: Path, rids: list[str]) -> list[float]:
+    """Server-side queue time (arrival -> admitted to a prefill batch; an L3
+    restore waits here) of these requests, from upstream's ReqTimeStats lines."""
+    found: dict[str, float] = {}
+    for m in QUEUE_RE.finditer(log.read_text(errors="replace")):
+        found[m.group(1)] = float(m.group(2)) / 1e3
+    return [found[r] for r in rids if r in found]
+
+
+def store_bytes(store: Path) -> int:
+    return sum(f.stat().st_size for f in (store / "pages").iterdir())
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--agents", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--context", type=int, default=400, help="first-turn context tokens per agent")
-    ap.add_argument("--pool", type=int, default=640, help="device pool tokens (about one context)")
+    ap.add_argument("--turns", type=int, default=3, help="turns per agent")
+    ap.add_argument("--context", type=int, default=3072, help="first-turn context tokens per agent")
+    ap.add_argument("--message", type=int, default=64, help="user message tokens appended per turn")
+    ap.add_argument("--new", type=int, default=16, help="answer tokens per turn")
+    ap.add_argument("--pool", type=int, default=None, help="device pool tokens (default 1.5 contexts)")
+    ap.add_argument("--think", type=float, default=2.0, help="seconds between an answer and the next request")
     ap.add_argument(
-        "--think",
-        type=float,
-        default=3.0,
-        help="seconds between an answer and the next request",
-    )
-    ap.add_argument(
-        "--cap-contexts",
-        type=float,
+        "--noise",
+        type=int,
         default=None,
-        help="byte cap of the capped runs, in agent contexts (default: agents)",
+        help="tokens of the one-off prompt after each turn of the capped runs (default context/2)",
     )
+    ap.add_argument("--cap", type=float, default=1.25, help="byte cap of the capped runs, x the agents' contexts in L3")
+    ap.add_argument("--seed", type=int, default=0, help="speaking order of rounds >= 2")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--skip", default="", help="comma list of runs to skip: cold,hinted,capped")
+    ap.add_argument("--skip", default="", help="comma list of runs to skip: cold,hinted,device,capped")
+    ap.add_argument("--verbose", action="store_true", help="print every turn (TTFT, where the prefix came from)")
     args = ap.parse_args()
     if args.agents < 4:
         ap.error("--agents must be >= 4")
-    args.disable = ""
+    if args.turns < 2:
+        ap.error("--turns must be >= 2")
+    pool = args.pool or (3 * args.context) // 2
+    final = args.context + args.turns * (args.message + args.new)
+    if final + args.new >= MODEL_CONTEXT:
+        ap.error(f"the last turn ({final} tokens + answer) exceeds the tiny model's context length {MODEL_CONTEXT}")
+    args.noise = args.noise if args.noise is not None else args.context // 2
     skip = set(filter(None, args.skip.split(",")))
     warm_hicache_hash_extension()
     work = Path(tempfile.mkdtemp(prefix="sglang-l3-agents-"))
     print(
-        f"workload: {args.agents} agents x {args.turns} turns, context {args.context}+{MESSAGE}/turn, "
-        f"device pool {args.pool} tokens, think {args.think}s, logs {work}",
+        f"workload: {args.agents} agents x {args.turns} turns; context {args.context} tokens + "
+        f"{args.message}-token message + {args.new}-token answer per turn (final {final}); "
+        f"device pool {pool} tokens; think {args.think}s; seed {args.seed}; logs {work}",
         flush=True,
     )
     runs: dict[str, Run] = {}
-    if "cold" not in skip:
-        runs["cold"] = agents_run(args, "cold", work / "cold", hints=False, noise=False, log_dir=work)
+    if "cold" not in skip or "capped" not in skip:
+        runs["cold"] = agents_run(args, "cold", work / "cold", pool=pool, log_dir=work)
     if "hinted" not in skip:
-        runs["hinted"] = agents_run(args, "hinted", work / "hinted", hints=True, noise=False, log_dir=work)
+        runs["hinted"] = agents_run(args, "hinted", work / "hinted", pool=pool, hints=True, log_dir=work)
+    if "device" not in skip:
+        big = args.agents * (final + 2 * PAGE)
+        runs["device"] = agents_run(args, "device", work / "device", pool=big, log_dir=work)
     if "capped" not in skip:
-        # one agent's context in bytes: the cold run's store / agents (or a probe)
-        probe, n = work / "cold", args.agents
-        if not (probe / "pages").is_dir():
-            probe, n = work / "probe", 1
-            with Server(_config(args, probe), work / "probe.log", startup_timeout=900) as s:
-                s.generate(prompt(1000, args.context), NEW)
-        per_context = sum(f.stat().st_size for f in (probe / "pages").iterdir()) / n
-        cap = int(per_context * (args.cap_contexts or args.agents))
-        runs["retained"] = agents_run(
-            args,
-            "retained",
-            work / "retained",
-            hints=False,
-            noise=True,
-            log_dir=work,
-            max_bytes=cap,
-            min_free_bytes=0,
+        # the agents' contexts in L3: the cold run's store (same turns, no noise, no cap)
+        contexts = store_bytes(work / "cold")
+        cap = int(contexts * args.cap)
+        for label, disable in (("retained", ""), ("lru", "sessions")):
+            runs[label] = agents_run(
+                args,
+                label,
+                work / label,
+                pool=pool,
+                noise=True,
+                disable=disable,
+                log_dir=work,
+                max_bytes=cap,
+                min_free_bytes=0,
+            )
+        noise_total = args.agents * args.turns * args.noise
+        print(
+            f"capped runs: agents' contexts {contexts / 2**20:.2f} MiB in L3, byte cap {cap / 2**20:.2f} MiB "
+            f"({args.cap}x), noise {args.noise} tokens after every turn ({noise_total} tokens in all)"
         )
-        args.disable = "sessions"
-        runs["lru"] = agents_run(
-            args,
-            "lru",
-            work / "lru",
-            hints=False,
-            noise=True,
-            log_dir=work,
-            max_bytes=cap,
-            min_free_bytes=0,
-        )
-        args.disable = ""
-        print(f"capped runs: byte cap {cap / 2**20:.2f} MiB ({args.cap_contexts or args.agents} contexts)")
-    print(f"{'run':10} {'turns>=2':>9} {'median TTFT ms':>15} {'L3 tokens':>10} {'device tokens':>14}")
+    print(
+        f"{'run':9} {'turns>=2':>8} {'median TTFT ms':>15} {'L3 tokens':>10} {'device tokens':>14} "
+        f"{'cached %':>9} {'hints landed':>13} {'median queue ms':>16}"
+    )
     for r in runs.values():
-        print(f"{r.label:10} {len(r.ttft):9d} {r.median_ttft * 1e3:15.1f} {r.restored:10d} {r.device:14d}")
+        cached = 100.0 * r.hit / r.prompt if r.prompt else float("nan")
+        landed = f"{r.hints_landed}/{r.hints}" if r.hints else "-"
+        print(
+            f"{r.label:9} {len(r.ttft):8d} {r.median_ttft * 1e3:15.1f} {r.restored:10d} {r.device:14d} "
+            f"{cached:9.1f} {landed:>13} {r.median_queue * 1e3:16.1f}"
+        )
+    if {"hinted", "device"} <= runs.keys():
+        print(f"hinted_vs_device={runs['hinted'].median_ttft / runs['device'].median_ttft:.2f}")
     ratio = runs["hinted"].median_ttft / runs["cold"].median_ttft if {"hinted", "cold"} <= runs.keys() else float("nan")
     hit = (
-        (runs["retained"].restored / runs["lru"].restored if runs["lru"].restored else float("inf"))
+        (runs["retained"].hit / runs["lru"].hit if runs["lru"].hit else float("inf"))
         if {"retained", "lru"} <= runs.keys()
         else float("nan")
     )

@@ -32,6 +32,10 @@ from sglang_l3 import metrics
 logger = logging.getLogger(__name__)
 
 HINT_RID_PREFIX = "sglang-l3-hint-"
+# State of a hint the scheduler declined because staging it on the device would
+# evict an open session's device context (patch session-guard); the marker is
+# carried in the abort message.
+DEFERRED_DEVICE_FULL = "deferred_device_full"
 MAX_CONTEXTS = 4096  # sessions whose last context this process remembers
 MAX_FINISHED = 4096  # finished hints kept for status queries
 JOIN_TIMEOUT_S = 600.0
@@ -48,7 +52,7 @@ class Hint:
     id: str
     ids: tuple[int, ...]
     session_id: str | None
-    state: str = "staging"  # staging | landed | failed
+    state: str = "staging"  # staging | landed | failed | deferred_device_full
     created: float = field(default_factory=time.time)
     finished: float | None = None
     cached: dict[str, int] = field(default_factory=dict)
@@ -152,7 +156,7 @@ class HintBook:
             if h.ids == key:
                 metrics.inc("session_hints", "joined_by_hint")
                 return h, False
-        h = Hint(HINT_RID_PREFIX + uuid.uuid4().hex, key, sid)
+        h = Hint(hint_rid(sid), key, sid)
         self.hints[h.id] = h
         while len(self.hints) > MAX_FINISHED:
             oldest = next(iter(self.hints.values()))
@@ -184,15 +188,39 @@ class HintBook:
             metrics.inc("session_hints", "landed")
             metrics.inc("session_hint_tokens_from_l3", n=h.cached.get("storage", 0))
         except Exception as e:  # noqa: BLE001 - a failed hint is a state, never an error for others
-            h.state, h.error = "failed", str(e) or type(e).__name__
-            metrics.inc("session_hints", "failed")
-            logger.warning("sglang-l3 hint %s failed: %s", h.id, h.error)
+            h.error = str(e) or type(e).__name__
+            # declined by the scheduler's guard: not a failure, the device is full
+            h.state = DEFERRED_DEVICE_FULL if DEFERRED_DEVICE_FULL in h.error else "failed"
+            metrics.inc("session_hints", h.state)
+            if h.state == "failed":
+                logger.warning("sglang-l3 hint %s failed: %s", h.id, h.error)
         finally:
             h.finished = time.time()
             h.done.set()
 
 
 BOOK = HintBook()
+
+
+def hint_rid(sid: str | None) -> str:
+    """A hint's request id. It carries the hinted session (hex, after a "-")
+    so the scheduler's guard (patch session-guard) knows whose turn it stages."""
+    rid = HINT_RID_PREFIX + uuid.uuid4().hex
+    return rid if sid is None else f"{rid}-{sid.encode().hex()}"
+
+
+def hint_session(rid: Any) -> str | None:
+    """The session a hint's request id names; None for a plain input_ids hint
+    (or anything that is not a well-formed hint id)."""
+    if not (isinstance(rid, str) and rid.startswith(HINT_RID_PREFIX)):
+        return None
+    _, sep, tail = rid[len(HINT_RID_PREFIX) :].partition("-")
+    if not sep or not tail:
+        return None
+    try:
+        return bytes.fromhex(tail).decode()
+    except ValueError:
+        return None
 
 
 def request_ids_and_session(obj: Any) -> tuple[list[int] | None, str | None, bool]:
@@ -212,9 +240,12 @@ def request_ids_and_session(obj: Any) -> tuple[list[int] | None, str | None, boo
 
 __all__ = [
     "BOOK",
+    "DEFERRED_DEVICE_FULL",
     "HINT_RID_PREFIX",
     "Hint",
     "HintBook",
     "HintError",
+    "hint_rid",
+    "hint_session",
     "request_ids_and_session",
 ]

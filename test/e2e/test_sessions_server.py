@@ -63,8 +63,16 @@ def _server(cfg: ServerConfig, log: Path) -> Server:
     return Server(cfg, log, startup_timeout=STARTUP_TIMEOUT)
 
 
-def _record(store: Path, sid: str, *, want_open: bool | None = None, timeout: float = 60.0):
-    """The session's row in the persisted table (written asynchronously)."""
+def _record(
+    store: Path,
+    sid: str,
+    *,
+    want_open: bool | None = None,
+    want_tokens: int | None = None,
+    timeout: float = 60.0,
+):
+    """The session's row in the persisted table (written asynchronously; a
+    turn is recorded when it is queued, then again when it finishes)."""
     deadline = time.monotonic() + timeout
     while True:
         if table.list_tables(store):
@@ -72,10 +80,31 @@ def _record(store: Path, sid: str, *, want_open: bool | None = None, timeout: fl
                 for name in table.list_tables(store):
                     data = table.read_table_bytes(dirs, name)
                     for r in table.decode(data or b"", None)[1] if data else []:
-                        if r.id == sid and (want_open is None or r.open == want_open):
+                        if (
+                            r.id == sid
+                            and (want_open is None or r.open == want_open)
+                            and (want_tokens is None or r.tokens == want_tokens)
+                        ):
                             return r
         if time.monotonic() > deadline:
-            raise AssertionError(f"session {sid} (open={want_open}) not in the table of {store}")
+            raise AssertionError(f"session {sid} (open={want_open}, tokens={want_tokens}) not in the table of {store}")
+        time.sleep(0.2)
+
+
+def _gone(store: Path, sid: str, timeout: float = 60.0) -> None:
+    """Wait until the persisted table no longer lists sid."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with StoreDirs(store, create=False) as dirs:
+            ids = {
+                r.id
+                for name in table.list_tables(store)
+                for r in table.decode(table.read_table_bytes(dirs, name) or b"", None)[1]
+            }
+        if sid not in ids:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"session {sid} still in the table of {store}")
         time.sleep(0.2)
 
 
@@ -94,13 +123,19 @@ def _same(got, want, what: str) -> None:
     assert got.logprobs == want.logprobs, f"{what}: logprobs differ"
 
 
+B0 = prompt(310, 400)
+
+
 def _reference(tmp_path: Path):
     if "ref" not in _MEASURED:
         with _server(_config(None), tmp_path / "ref.log") as ref:
             r1 = ref.generate(A0, NEW)
             ctx2 = A0 + r1.output_ids + prompt(301, 48)
             r2 = ref.generate(ctx2, NEW)
+            rb1 = ref.generate(B0, NEW)
+            rb2 = ref.generate(B0 + rb1.output_ids + prompt(311, 48), NEW)
         _MEASURED["ref"] = (r1, ctx2, r2)  # type: ignore[assignment]
+        _MEASURED["ref_b"] = (rb1, rb2)  # type: ignore[assignment]
     return _MEASURED["ref"]
 
 
@@ -110,7 +145,7 @@ def test_session_survives_a_restart_and_continues_from_l3(tmp_path):
     with _server(_config(store), tmp_path / "first.log") as s1:
         g1 = s1.generate(A0, NEW, extra={"session_id": SID})
         _same(g1, r1, "turn 1")
-        rec = _record(store, SID)
+        rec = _record(store, SID, want_tokens=len(A0) + NEW)
     assert rec.open and rec.tokens == len(A0) + NEW
     assert len(rec.keys) == (len(A0) + NEW) // PAGE_SIZE
     stored = _kv_keys(store)
@@ -121,10 +156,7 @@ def test_session_survives_a_restart_and_continues_from_l3(tmp_path):
 
     with _server(_config(store), tmp_path / "restarted.log") as s2:
         g2 = s2.generate(ctx2, NEW, extra={"session_id": SID})
-        rec2 = _record(store, SID, timeout=60)
-        while rec2.tokens != len(ctx2) + NEW:
-            time.sleep(0.2)
-            rec2 = _record(store, SID)
+        rec2 = _record(store, SID, want_tokens=len(ctx2) + NEW)
     assert g2.cached_storage >= 256, f"turn 2 after the restart: {g2.source}"
     _same(g2, r2, "turn 2 after a restart")
     assert rec2.open
@@ -144,7 +176,7 @@ def test_byte_cap_keeps_open_sessions_and_releases_closed_ones(tmp_path):
         tmp_path / "capped.log",
     ) as s:
         s.generate(A0, NEW, extra={"session_id": SID})
-        rec = _record(store, SID)
+        rec = _record(store, SID, want_tokens=len(A0) + NEW)
         held = _kv_keys(store) & set(rec.keys)
         assert held
         for i in range(3):  # plain traffic: 3 more contexts of the same size
@@ -181,14 +213,17 @@ def _post(s: Server, path: str, body) -> tuple[int, dict]:
 
 def test_speaks_next_hint_stages_from_l3_to_device(tmp_path):
     r1, ctx2, r2 = _reference(tmp_path)
-    b0 = prompt(310, 400)
+    rb1, rb2 = _MEASURED["ref_b"]  # type: ignore[misc]
     store = tmp_path / "store"
     cfg = _config(store)
     cfg.max_total_tokens = SMALL_POOL  # the device pool holds one agent's context
     with _server(cfg, tmp_path / "hints.log") as s:
+        # the issue's scenario: two open sessions, a pool that holds one context
         _same(s.generate(A0, NEW, extra={"session_id": SID}), r1, "A turn 1")
-        b1 = s.generate(b0, NEW, extra={"session_id": "agent-b"})  # A leaves the device
-        # hint A, then A's request at once: the request joins the hint
+        b1 = s.generate(B0, NEW, extra={"session_id": "agent-b"})  # A leaves the device
+        _same(b1, rb1, "B turn 1")
+        # hint A while idle B holds the device: it lands (B's context is safe in
+        # L3); A's request at once joins the hint and reads nothing from L3
         code, h = _post(s, "/sglang_l3/prefetch", {"session_id": SID})
         assert code == 200 and h["tokens"] == len(A0) + NEW and h["state"] in ("staging", "landed")
         a2 = s.generate(ctx2, NEW, extra={"session_id": SID})
@@ -197,13 +232,30 @@ def test_speaks_next_hint_stages_from_l3_to_device(tmp_path):
         assert a2.cached_storage == 0 and a2.cached_device >= 256, f"A turn 2 after the hint: {a2.source}"
         _same(a2, r2, "A turn 2 after a hint")
 
-        # hint B and wait for it: B's next turn is served from the device
-        ctx_b2 = b0 + b1.output_ids + prompt(311, 48)
-        code, hb = _post(s, "/sglang_l3/prefetch", {"input_ids": b0 + b1.output_ids})
+        # guard: a hint naming no session has the lowest priority, so it may not
+        # replace open A's device context: declined, A's next turn reads nothing from L3
+        b_ctx = B0 + b1.output_ids
+        code, hb = _post(s, "/sglang_l3/prefetch", {"input_ids": b_ctx})
+        assert code == 200
+        st = _wait_hint(s, hb["hint_id"])
+        assert st["state"] == "deferred_device_full", st
+        assert SID in (st["error"] or ""), st
+        # (A's turn 2 again: a longer turn would not fit the small pool's request limit)
+        a3 = s.generate(ctx2, NEW, extra={"session_id": SID})
+        assert a3.cached_storage == 0 and a3.cached_device >= 256, f"A after a declined hint: {a3.source}"
+        _same(a3, r2, "A after a declined hint")
+
+        # "B speaks next" by session: A is idle, so B's hint lands and B's turn 2
+        # is served from the device
+        code, hb = _post(s, "/sglang_l3/prefetch", {"session_id": "agent-b"})
         assert code == 200
         assert _wait_hint(s, hb["hint_id"])["state"] == "landed"
-        b2 = s.generate(ctx_b2, NEW, extra={"session_id": "agent-b"})
+        b2 = s.generate(b_ctx + prompt(311, 48), NEW, extra={"session_id": "agent-b"})
         assert b2.cached_storage == 0 and b2.cached_device >= 256, f"B turn 2: {b2.source}"
+        _same(b2, rb2, "B turn 2 after a hint")
+        for sid in (SID, "agent-b"):
+            assert s.post("/close_session", {"session_id": sid})[0] == 200
+            _record(store, sid, want_open=False)
 
         # clear answers
         assert _post(s, "/sglang_l3/prefetch", {"session_id": "nobody"})[0] == 404
@@ -223,5 +275,13 @@ def test_speaks_next_hint_stages_from_l3_to_device(tmp_path):
         info = json.loads(s._request("GET", "/sglang_l3/sessions"))
         assert info["hints"].get("staging", 0) == 0 and info["hints"].get("failed", 0) == 0
         assert {r["id"] for r in info["sessions"]} >= {SID, "agent-b"}
+        # drop through the running server (every rank's registry, then the table)
+        from sglang_l3 import cli
+
+        assert cli.main(["sessions", "--url", s.base, "drop", "nobody"]) == 1
+        assert cli.main(["sessions", "--url", s.base, "drop", "agent-b"]) == 0
+        _gone(store, "agent-b")
+        assert _record(store, SID).id == SID
+        assert _post(s, "/sglang_l3/prefetch", {"session_id": "agent-b"})[0] == 404
         # the server still answers exactly after all of it
         _same(s.generate(ctx2, NEW), r2, "A turn 2 again")

@@ -127,3 +127,91 @@ def test_prefill_only_hint_restores_from_l3_and_leaves_the_context_on_device(tmp
         h.arrive(nxt)
         h.wait_prefetch(nxt)
         assert backend.store.counters.get("read_hits") == reads, "the next turn read L3 again"
+
+
+def _running_turn_under_the_cap(tmp_path, core, *, protect_at_arrival: bool = True):
+    """Turn 1 of a session finishes; turn 2 (its history + 300 new tokens) runs
+    chunk by chunk, and its chunks reach L3 before it finishes; then the store's
+    byte cap is lowered to what it holds and plain pages are written. Returns
+    (the running turn's new pages that were on disk, those still on disk)."""
+    import hashlib
+
+    import torch
+
+    spec = HybridSpec(page_size=1, kv_size=2048)
+    # a cap enables upstream's evictor; it is lowered once the scenario is in place
+    with L3Stack(spec, str(tmp_path), tree_core=core, extra_config={"max_bytes": 2**30, "min_free_bytes": 0}) as st:
+        h = SchedulerHarness(st, chunked_prefill_size=128)
+        _serve(h, SEQ, "agent-a")
+        turn2 = h.make_req(SEQ + [7] + list(range(700, 1000)))
+        turn2.session_id = "agent-a"
+        reg = registry_of(st.cache)
+        turn1 = reg.get("agent-a")
+        h.arrive(turn2)
+        if not protect_at_arrival:  # control: the chain stays turn 1's until release
+            reg.on_turn("agent-a", turn1.keys, turn1.tokens)
+        h.wait_prefetch(turn2)
+        h.forward(h.admit())
+        for _ in range(1):  # a second chunk; the turn is still prefilling after it
+            h.stash_chunk()
+            h.forward(h.admit())
+        assert h.s.chunked_req is turn2 and not turn2.finished()
+        st.flush_backups()
+        backend = st.cache.cache_controller.storage_backend
+        from sglang_l3.patches.sessions import context_keys
+
+        chain, _ = context_keys(st.cache, turn2)
+        new = [k for k in chain[len(SEQ) + 1 :] if backend.exists(k)]
+        assert len(new) >= 64, "the running turn wrote nothing to L3 yet"
+        evictor = backend.store.evictor
+        plain = [hashlib.sha256(f"plain-{i}".encode()).hexdigest() for i in range(2 * len(new))]
+        half = len(new)
+        idx = torch.arange(half, dtype=torch.int64)
+        assert all(backend.batch_set_v1(plain[:half], idx))  # older plain traffic
+        with evictor._lock:
+            evictor.max_size_bytes = evictor._total_bytes
+            evictor.eviction_ratio = 1.0
+        assert all(backend.batch_set_v1(plain[half:], idx))  # forces evictions
+        kept = [k for k in new if backend.exists(k)]
+        return new, kept
+
+
+def test_a_running_turns_pages_are_protected_before_it_finishes(tmp_path, core):
+    new, kept = _running_turn_under_the_cap(tmp_path, core)
+    assert kept == new, f"{len(new) - len(kept)} of the running turn's {len(new)} pages were evicted"
+
+
+def test_control_a_running_turns_pages_go_first_when_recorded_only_at_release(tmp_path):
+    new, kept = _running_turn_under_the_cap(tmp_path, "rust", protect_at_arrival=False)
+    assert len(kept) < len(new)
+
+
+def test_drop_through_the_scheduler_forgets_the_session(tmp_path):
+    """What DELETE /sglang_l3/sessions/{id} sends every scheduler rank: upstream's
+    CloseSessionReqInput with DROP_MARK before the id. The registry forgets the
+    session (the table too); upstream's session controller never sees it; a
+    plain close still closes."""
+    from sglang.srt.managers.io_struct import CloseSessionReqInput
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.session.session_controller import SessionController
+    from sglang_l3.patches.sessions import DROP_MARK
+
+    spec = HybridSpec(page_size=1, kv_size=2048)
+    with L3Stack(spec, str(tmp_path)) as st:
+        h = SchedulerHarness(st)
+        h.s.enable_session_radix_cache = False
+        h.s.session_controller = SessionController(st.cache)
+        _serve(h, SEQ, "agent-a")
+        _serve(h, list(range(500, 600)), "agent-b")
+        reg = registry_of(st.cache)
+        seen = []
+        h.s.session_controller.close = lambda req: seen.append(req.session_id)
+        Scheduler.close_session(h.s, CloseSessionReqInput(session_id=DROP_MARK + "agent-a"))
+        assert reg.get("agent-a") is None and seen == []
+        Scheduler.close_session(h.s, CloseSessionReqInput(session_id=DROP_MARK + "nobody"))  # no-op
+        Scheduler.close_session(h.s, CloseSessionReqInput(session_id="agent-b"))
+        assert seen == ["agent-b"] and reg.get("agent-b").open is False
+        assert reg.flush()
+    with L3Stack(spec, str(tmp_path)) as fresh:
+        again = registry_of(fresh.cache)
+        assert again.get("agent-a") is None and again.get("agent-b") is not None

@@ -9,9 +9,12 @@ import asyncio
 import pytest
 from sglang_l3.patches import framework
 from sglang_l3.session_hints import (
+    DEFERRED_DEVICE_FULL,
     HINT_RID_PREFIX,
     HintBook,
     HintError,
+    hint_rid,
+    hint_session,
     request_ids_and_session,
 )
 
@@ -82,8 +85,8 @@ def test_identical_hints_run_once_and_requests_join():
         assert await asyncio.wait_for(waiter, 10) == 1
         assert h1.state == "landed" and h1.cached["storage"] == 128
         assert book.covering([1, 2, 3, 4, 5], None) == []
-        h3, created3 = book.start(sched, [1, 2, 3, 4], None)  # landed: a new hint may run
-        assert created3 and h3 is not h1
+        h3, created3 = book.start(sched, [1, 2, 3, 4], "agent-a")  # landed: a new hint may run
+        assert created3 and h3 is not h1 and hint_session(h3.id) == "agent-a"
         await asyncio.wait_for(h3.done.wait(), 10)
 
     asyncio.run(main())
@@ -101,6 +104,44 @@ def test_a_failing_hint_is_a_state():
         await asyncio.wait_for(h.done.wait(), 10)
         assert h.state == "failed" and "scheduler said no" in h.error
         assert await book.join([1, 2, 3], None) == 0
+
+    asyncio.run(main())
+
+
+def test_a_hints_request_id_names_its_session():
+    """The scheduler's guard learns the hinted session from the request id."""
+    for sid in ("agent-a", "a-b-c", "ünï", "x" * 256):
+        rid = hint_rid(sid)
+        assert rid.startswith(HINT_RID_PREFIX) and hint_session(rid) == sid
+    assert hint_session(hint_rid(None)) is None
+    assert hint_session(HINT_RID_PREFIX + "abc-zz") is None  # not hex: no session
+    assert hint_session("h1-6162") is None  # not a hint
+    assert hint_session(None) is None
+
+
+def test_a_hint_declined_by_the_guard_says_so():
+    """The scheduler's guard (patch session-guard) answers with an abort whose
+    message carries the marker: the hint's state is deferred_device_full."""
+
+    class Guarded:
+        async def generate_request(self, obj, request=None):
+            yield {
+                "meta_info": {
+                    "cached_tokens": 0,
+                    "finish_reason": {
+                        "type": "abort",
+                        "message": f"sglang-l3 hint {DEFERRED_DEVICE_FULL}: ... ['agent-a'] ...",
+                    },
+                }
+            }
+
+    async def main():
+        book = HintBook()
+        h, _ = book.start(Guarded(), [1, 2], None)
+        await asyncio.wait_for(h.done.wait(), 10)
+        assert h.state == DEFERRED_DEVICE_FULL and "agent-a" in h.error
+        assert h.as_dict()["state"] == DEFERRED_DEVICE_FULL
+        assert book.inflight() == []
 
     asyncio.run(main())
 
@@ -124,7 +165,7 @@ def test_request_ids_and_session():
 
 
 def test_patches_apply():
-    for pid in ("sessions", "session-hints"):
+    for pid in ("sessions", "session-hints", "session-guard"):
         st = framework.get_status(pid)
         assert st is not None and st.state == framework.State.APPLIED, (
             pid,
@@ -177,4 +218,21 @@ def test_routes_answer_clearly(monkeypatch, tmp_path):
     assert info["store"] == str(tmp_path) and info["sessions"] == []
     tm.gracefully_exit = True
     assert c.post("/sglang_l3/prefetch", json={"input_ids": [1, 2, 3]}).status_code == 503
+    # drop through the server: unknown -> 404, known -> upstream's close message
+    # carrying DROP_MARK (what every scheduler rank's registry turns into a drop)
+    from sglang_l3.patches.sessions import DROP_MARK
+
+    closes = []
+
+    async def close_session(obj, request=None):
+        closes.append(obj)
+
+    tm.close_session = close_session
+    r = c.delete("/sglang_l3/sessions/nobody")
+    assert r.status_code == 404 and "unknown session" in r.json()["error"] and not closes
+    BOOK.remember("agent-x", [1, 2])
+    r = c.delete("/sglang_l3/sessions/agent-x")
+    assert r.status_code == 200 and r.json() == {"dropped": "agent-x"}
+    assert [o.session_id for o in closes] == [DROP_MARK + "agent-x"]
+    assert "agent-x" not in BOOK.contexts
     BOOK.hints.clear()

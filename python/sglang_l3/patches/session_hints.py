@@ -8,8 +8,9 @@ the HTTP server process (sglang_l3/session_hints.py does the work):
   (`sglang.srt.entrypoints.http_server.app`, imported by the launcher before
   it builds the tokenizer manager):
     POST /sglang_l3/prefetch           {"session_id": ..., "input_ids": [...]}
-    GET  /sglang_l3/prefetch/{hint_id} staging | landed | failed, cached tokens
+    GET  /sglang_l3/prefetch/{hint_id} staging | landed | failed | deferred_device_full
     GET  /sglang_l3/sessions           the store's session table + hint counts
+    DELETE /sglang_l3/sessions/{id}    drop a session (every rank's registry)
 - AROUND `TokenizerManager.generate_request`: a request that extends an
   in-flight hint's context (or names its session) waits for the hint to land;
   a finished request with a top-level session_id records its context so a hint
@@ -108,9 +109,37 @@ def add_routes(app: Any) -> None:
             }
         )
 
+    async def drop_session(session_id: str) -> JSONResponse:
+        from sglang.srt.managers.io_struct import CloseSessionReqInput
+
+        from sglang_l3.patches.sessions import DROP_MARK
+        from sglang_l3.storage.sessions import valid_session_id
+        from sglang_l3.storage.sessions_cli import _rows
+
+        tm = _tm()
+        if tm is None:
+            return JSONResponse({"error": "server is not ready"}, status_code=503)
+        root = _store_root(tm)
+        if root is None:
+            return JSONResponse(
+                {"error": "this server has no sglang-l3 store (--hicache-storage-backend file)"},
+                status_code=409,
+            )
+        if not valid_session_id(session_id):
+            return JSONResponse({"error": f"invalid session id {session_id!r}"}, status_code=400)
+        known = session_id in BOOK.contexts or any(r.get("id") == session_id for r in _rows(root, None))
+        if not known:
+            return JSONResponse({"error": f"unknown session {session_id!r}"}, status_code=404)
+        # to every scheduler rank as upstream's close message (patch `sessions` turns it into a drop)
+        await tm.close_session(CloseSessionReqInput(session_id=DROP_MARK + session_id))
+        BOOK.forget(session_id)
+        metrics.inc("session_drops")
+        return JSONResponse({"dropped": session_id})
+
     app.add_api_route("/sglang_l3/prefetch", prefetch, methods=["POST"])
     app.add_api_route("/sglang_l3/prefetch/{hint_id}", prefetch_status, methods=["GET"])
     app.add_api_route("/sglang_l3/sessions", sessions, methods=["GET"])
+    app.add_api_route("/sglang_l3/sessions/{session_id}", drop_session, methods=["DELETE"])
 
 
 def _after_init(result: Any, tm: Any, *args: Any, **kwargs: Any) -> None:

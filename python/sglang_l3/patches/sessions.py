@@ -5,19 +5,25 @@ Upstream (0.5.23) names agents with `/open_session` / `/close_session`,
 `--enable-session-radix-cache` protects their device/host entries
 (mem_cache/unified_cache/session_ref_tracker.py). The L3 store knows nothing
 of sessions: its evictor is plain LRU and the session table lives in process
-memory. Three AFTER hooks feed the store's session registry
+memory. AFTER hooks feed the store's session registry
 (storage/retention.py), on every TP rank alike (same requests, same keys):
 
 - `UnifiedRadixCache.on_release` (after a request's KV went back to the tree,
   both tree cores): a finished, non-aborted request of a session records the
   page-key chain of its context (the same SHA-256 chain HiCache names L3 pages
   with, mem_cache/utils.py:get_storage_hash_str), its token count and priority;
+- `Scheduler._add_request_to_queue` (a session's turn is queued, before it
+  runs): records the chain of its input, so the pages the running turn
+  writes chunk by chunk are protected before it finishes (at release the
+  chain grows by the output);
 - `Scheduler.open_session`: (re)opens the session in the registry;
 - `Scheduler.close_session` and `SessionController._close` (explicit close,
   deferred close, timeout reap): closes it - its pages become evictable before
-  any open session's.
+  any open session's. A close whose id starts with DROP_MARK is a drop through
+  the server (AROUND: upstream never sees it): the registry forgets the session.
 
-Neither hook changes what upstream does; they read request/tree state only.
+Apart from the drop message (ours), no hook changes what upstream does; they
+read request/tree state only.
 Works without `--enable-session-radix-cache`, so on the Rust tree core too
 (upstream refuses the session radix cache there).
 """
@@ -34,6 +40,9 @@ logger = logging.getLogger("sglang_l3.sessions")
 CACHE = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
 SCHED = "sglang.srt.managers.scheduler:Scheduler"
 CONTROLLER = "sglang.srt.session.session_controller:SessionController"
+# Prefix of the session id of a CloseSessionReqInput that means "drop": not
+# printable, so no valid session id (storage.sessions.valid_session_id) has it.
+DROP_MARK = "\x00sglang-l3-drop\x00"
 
 
 def registry_of(cache: Any) -> Any:
@@ -90,6 +99,32 @@ def _on_release(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) ->
     return
 
 
+def _on_queued(result: Any, sched: Any, req: Any, is_retracted: bool = False) -> None:
+    """A session's turn entered the waiting queue: its input's chain becomes the
+    session's chain now, so the pages the running turn writes (chunk by chunk)
+    are protected before it finishes; on_release then records input + output."""
+    sid = session_id_of(req)
+    if sid is None or is_retracted or req.finished() or getattr(req, "to_finish", None) is not None:
+        return
+    if not any(r is req for r in getattr(sched, "waiting_queue", ())):
+        return  # refused at the door (queue limit, priority): nothing will run
+    reg = registry_of(sched.tree_cache)
+    if reg is None:
+        return
+    try:
+        keys, tokens = context_keys(sched.tree_cache, req)
+        prio = getattr(req, "priority", None)
+        reg.on_turn(
+            str(sid),
+            keys,
+            tokens,
+            priority=int(prio) if prio is not None else None,
+            finished=False,
+        )
+    except Exception:  # bookkeeping must never take a request down
+        logger.exception("sglang-l3 sessions: cannot protect the running turn of %s", sid)
+
+
 def _on_open(result: Any, sched: Any, recv_req: Any) -> None:
     sid = recv_req.session_id
     if sid is not None and sid in sched.session_controller:
@@ -104,6 +139,23 @@ def _on_close(result: Any, sched: Any, recv_req: Any) -> None:
         reg.close(str(recv_req.session_id))
 
 
+def _close_session(original: Any, sched: Any, recv_req: Any) -> Any:
+    """`sglang-l3 sessions --url ... drop ID` (DELETE /sglang_l3/sessions/{id})
+    reaches every scheduler rank as upstream's CloseSessionReqInput with
+    DROP_MARK before the id (upstream's IPC decodes only its own message types;
+    a close is broadcast to every TP rank): the registry forgets the session,
+    upstream sees nothing. Any other close is upstream's, then the registry's."""
+    sid = recv_req.session_id
+    if isinstance(sid, str) and sid.startswith(DROP_MARK):
+        reg = registry_of(sched.tree_cache)
+        if reg is not None and reg.drop(sid[len(DROP_MARK) :]):
+            logger.info("sglang-l3 sessions: dropped session %s", sid[len(DROP_MARK) :])
+        return None
+    result = original(sched, recv_req)
+    _on_close(result, sched, recv_req)
+    return result
+
+
 def _on_controller_close(result: Any, ctrl: Any, session_id: str) -> None:
     reg = registry_of(ctrl.tree_cache)
     if reg is not None:
@@ -112,6 +164,7 @@ def _on_controller_close(result: Any, ctrl: Any, session_id: str) -> None:
 
 def apply(ctx: PatchContext) -> None:
     ctx.after(f"{CACHE}.on_release", _on_release)
+    ctx.after(f"{SCHED}._add_request_to_queue", _on_queued)
     ctx.after(f"{SCHED}.open_session", _on_open)
-    ctx.after(f"{SCHED}.close_session", _on_close)
+    ctx.around(f"{SCHED}.close_session", _close_session)
     ctx.after(f"{CONTROLLER}._close", _on_controller_close)

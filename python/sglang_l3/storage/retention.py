@@ -109,8 +109,17 @@ class SessionRetention:
                 self._unindex(r.id)
         self._wake.set()
 
-    def on_turn(self, sid: str, keys: list[str], tokens: int, priority: int | None = None) -> bool:
-        """A request of session sid finished: keys is its context's chain."""
+    def on_turn(
+        self,
+        sid: str,
+        keys: list[str],
+        tokens: int,
+        priority: int | None = None,
+        *,
+        finished: bool = True,
+    ) -> bool:
+        """A request of session sid finished (or, finished=False, was queued:
+        its input's chain is protected while it runs): keys is the chain."""
         if not valid_session_id(sid):
             return False
         with self._lock:
@@ -121,7 +130,7 @@ class SessionRetention:
             is_open = old.open if old is not None else True
             self._put(SessionRecord(sid, list(keys), int(tokens), int(prio), self._now(), is_open))
             self._changed()
-        l3_metrics.inc("session_turns")
+        l3_metrics.inc("session_turns" if finished else "session_turns_started")
         return True
 
     def open(self, sid: str, priority: int | None = None) -> bool:
@@ -173,6 +182,11 @@ class SessionRetention:
         with self._lock:
             r = self._sessions.get(sid)
             return None if r is None else SessionRecord(r.id, list(r.keys), r.tokens, r.priority, r.last_use, r.open)
+
+    def is_open(self, sid: str) -> bool:
+        with self._lock:
+            r = self._sessions.get(sid)
+            return r is not None and r.open
 
     def records(self) -> list[SessionRecord]:
         with self._lock:

@@ -4,9 +4,11 @@ Offline (torch- and sglang-free): reads `<store>/models/<mid>.sessions` and
 the page names in `pages/`, and reports per session what L3 retains for it -
 chain pages on disk, the restorable prefix, bytes, last use. `drop` removes a
 session from the table (its pages become plain pages, evicted first). A
-server using the store rewrites the table on its next change, so drop with the
-server stopped. `--url` reads a running server's view (GET
-/sglang_l3/sessions) for ls/show.
+server using the store rewrites the table on its next change, so an offline
+drop needs the server stopped; `--url` works through a running server instead:
+ls/show read GET /sglang_l3/sessions, drop sends DELETE
+/sglang_l3/sessions/{id} (every scheduler rank's registry forgets it, then
+rank 0 rewrites the table).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -34,7 +37,10 @@ def add_parser(subparsers: Any) -> None:
         description="List, inspect and drop the sessions an L3 store retains.",
     )
     p.add_argument("--dir", help="store directory (default: as for `sglang-l3 store`)")
-    p.add_argument("--url", help="a running server (http://host:port): ls/show through it")
+    p.add_argument(
+        "--url",
+        help="a running server (http://host:port): ls/show/drop through it (drop reaches every TP rank)",
+    )
     sub = p.add_subparsers(dest="sessions_cmd", required=True)
     s = sub.add_parser("ls", help="one line per session")
     s.add_argument("--model", help="model digest prefix or model name")
@@ -43,7 +49,11 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("id")
     s.add_argument("--model", help="model digest prefix or model name")
     s.add_argument("--json", action="store_true")
-    s = sub.add_parser("drop", help="forget a session (its pages become plain, evicted first)")
+    s = sub.add_parser(
+        "drop",
+        help="forget a session (its pages become plain, evicted first); offline on --dir "
+        "(server stopped) or through a running server with --url",
+    )
     s.add_argument("id")
     s.add_argument("--model", help="model digest prefix or model name")
     p.set_defaults(func=run)
@@ -134,15 +144,32 @@ def _server(url: str, path: str) -> Any:
         return json.loads(f.read())
 
 
+def _drop_on_server(url: str, sid: str) -> int:
+    """DELETE /sglang_l3/sessions/{id}: every scheduler rank forgets the session."""
+    path = "/sglang_l3/sessions/" + urllib.parse.quote(sid, safe="")
+    req = urllib.request.Request(url.rstrip("/") + path, method="DELETE")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as f:
+            json.loads(f.read())
+    except urllib.error.HTTPError as e:
+        try:
+            msg = json.loads(e.read()).get("error") or str(e)
+        except ValueError:
+            msg = str(e)
+        print(f"error: {url}: {msg}", file=sys.stderr)
+        return 1 if e.code == 404 else 2
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        print(f"error: {url}: {e}", file=sys.stderr)
+        return 2
+    print(f"dropped session {sid} on {url} (its pages are now plain)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     cmd = args.sessions_cmd
     if args.url:
         if cmd == "drop":
-            print(
-                "error: drop is offline only (stop the server, then drop on its store directory)",
-                file=sys.stderr,
-            )
-            return 2
+            return _drop_on_server(args.url, args.id)
         try:
             out = _server(args.url, "/sglang_l3/sessions")
         except (urllib.error.URLError, OSError, ValueError) as e:

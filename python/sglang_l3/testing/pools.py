@@ -8,9 +8,22 @@ geometry here, so they are as small as the pool classes allow.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
+
+
+@contextlib.contextmanager
+def host_budget() -> Iterator[None]:
+    """Book host pools against half of the RAM free now, through upstream's own
+    `host_memory_budget_scope`: without it upstream keeps a fixed 10 GiB reserve,
+    which a busy test machine does not always have (the pools here are a few MB)."""
+    import psutil
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    with host_memory_budget_scope(psutil.virtual_memory().available // 2):
+        yield
 
 
 def host_kv_pool(
@@ -47,19 +60,20 @@ def host_kv_pool(
         device=torch.device("cpu"),
     )
     extra = {} if host_token_capacity is None else {"host_token_capacity": host_token_capacity}
-    return MHATokenToKVPoolHost(
-        info,
-        host_ratio,
-        0,
-        page_size,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=device_tokens,
-        start_layer=0,
-        end_layer=layers,
-        **extra,
-    )
+    with host_budget():
+        return MHATokenToKVPoolHost(
+            info,
+            host_ratio,
+            0,
+            page_size,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=device_tokens,
+            start_layer=0,
+            end_layer=layers,
+            **extra,
+        )
 
 
 def host_mamba_pool(
@@ -75,15 +89,16 @@ def host_mamba_pool(
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
     info = MambaStateBufferInfo(temporal=temporal, conv=conv)
-    return MambaPoolHost(
-        info,
-        host_ratio,
-        0,
-        device_capacity=temporal.shape[1],
-        pin_memory=False,
-        device="cpu",
-        layout=layout,
-    )
+    with host_budget():
+        return MambaPoolHost(
+            info,
+            host_ratio,
+            0,
+            device_capacity=temporal.shape[1],
+            pin_memory=False,
+            device="cpu",
+            layout=layout,
+        )
 
 
 def storage_config(
