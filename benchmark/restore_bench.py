@@ -6,15 +6,24 @@ cache stack on CPU (`sglang_l3.testing.stack.L3Stack`: UnifiedRadixCache +
 HybridCacheController + buffer-only HiCache) and our store (patch store-file), with
 the streamed patches (issue 11). Per row (model, context, host staging buffer):
 tokens, bytes, restore seconds (storage -> device, cold page cache), GB/s, the
-store's own cold read GB/s of the same KV pages in the same run, CPU-seconds per
-GiB, and upstream's result on the same row (restored tokens with the patch
-`streamed-restore` undone in-process; 0 where upstream declines).
+store's own cold read GB/s of the same KV pages measured right before each restore
+(medians over --repeat such pairs, default 3), CPU-seconds per GiB, and upstream's
+result on the same row (restored tokens with the patch `streamed-restore` undone
+in-process; 0 where upstream declines).
 
 Per-rank sizes (TP=2) from the models' public config.json fields
-(HF `text_config` for Qwen3.5): full-attention layers = num_hidden_layers /
-full_attention_interval, the rest Gated-DeltaNet (GDN) layers; KV in bf16; the GDN
-temporal state in fp32 (SGLang's default mamba ssm dtype), the conv state in bf16;
-heads split by TP.
+(HF `text_config` for Qwen3.5), with SGLang 0.5.23's own formulas:
+`Qwen3NextConfig.mamba2_cache_params` (inherited by `Qwen3_5TextConfig`) ->
+`Mamba2StateShape.create(intermediate_size=linear_value_head_dim*linear_num_value_heads,
+n_groups=linear_num_key_heads, num_heads=linear_num_value_heads,
+head_dim=linear_value_head_dim, state_size=linear_key_head_dim)`:
+conv_dim = intermediate + 2*n_groups*state_size, conv state (conv_dim/tp, kernel-1),
+temporal state (num_heads/tp, head_dim, state_size). Full-attention layers =
+num_hidden_layers / full_attention_interval, the rest Gated-DeltaNet (GDN); KV in
+bf16; the GDN temporal state fp32 (`mamba2_state_dtype`: config mamba_ssm_dtype
+"float32", also the default), the conv state bf16. The MTP layer
+(mtp_num_hidden_layers=1) is not counted: it holds state only with speculative
+decoding on.
 
   Qwen3-Next-80B-A3B: num_hidden_layers=48, full_attention_interval=4 -> 12 full, 36 GDN;
     num_key_value_heads=2, head_dim=256; linear_num_key_heads=16,
@@ -22,21 +31,27 @@ heads split by TP.
     linear_conv_kernel_dim=4.
     KV / token / rank  = 12 layers x 2 (K,V) x (2/2) heads x 256 x 2 B        = 12,288 B
     GDN state / rank   = 36 x [ (32/2) x 128 x 128 x 4 B                        (temporal)
-                               + (2x16x128 + 32x128)/2 x (4-1) x 2 B ]           (conv)
+                               + (32x128 + 2x16x128)/2 x (4-1) x 2 B ]       (conv)
                        = 36 x (1,048,576 + 24,576)                            = 38,633,472 B
-  Qwen3.5-27B: num_hidden_layers=64, full_attention_interval=4 -> 16 full, 48 GDN;
-    num_key_value_heads=4, head_dim=256; linear_num_key_heads=16,
-    linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
-    linear_conv_kernel_dim=4.
+  Qwen3.5-27B (checked against the public config: text_config num_hidden_layers=64,
+    full_attention_interval=4, num_attention_heads=24, num_key_value_heads=4,
+    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    mamba_ssm_dtype="float32"; model card: 64 layers = 16 x (3 GDN + 1 full)):
+    -> 16 full, 48 GDN.
     KV / token / rank  = 16 x 2 x (4/2) x 256 x 2 B                            = 32,768 B
-    GDN state / rank   = 48 x [ (48/2) x 128 x 128 x 4 B + (2x16x128 + 48x128)/2 x 3 x 2 B ]
+    GDN state / rank   = 48 x [ (48/2) x 128 x 128 x 4 B                        (temporal)
+                               + (48x128 + 2x16x128)/2 x 3 x 2 B ]             (conv)
                        = 48 x (1,572,864 + 30,720)                            = 76,972,032 B
 
-Contexts 8K, 32K, 128K (256K with --contexts when memory allows); host staging
-buffers 1/16, 1/4 and 1.2 x the context. On a machine smaller than a serving host,
-`--contexts` and `--max-gib` scale the run down (rows over the memory budget are
-printed as skipped). The writer uses a 1/4 buffer (streamed write). Cold reads:
-page cache dropped (or fadvise(DONTNEED) per file without root) before every read.
+Contexts 8K, 32K, 128K (256K with --contexts). Host staging buffers 1/16, 1/4 and
+1.2 x the context. Memory: one row at a time (device KV for the context + the host
+buffer + the Mamba pools, ~20 states: `row_gib`), everything freed and collected
+before the next; a row runs when its estimate fits MemAvailable - 2 GiB read just
+before it (or --max-gib), and is printed as skipped otherwise - never scaled. The
+writer uses a 1/4 buffer (streamed write); the store read uses one reused 128-page
+host region. Cold reads: page cache dropped (or fadvise(DONTNEED) per file without
+root) before every read; pools are faulted in before the timer starts.
 Not a test: numbers only. The last line is exactly
 
   restore_vs_store=R small_buffer_restored=F upstream_small_buffer_restored=U
@@ -51,10 +66,12 @@ Example: nice -n 10 python benchmark/restore_bench.py --contexts 8192,32768,1310
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -135,6 +152,15 @@ def hybrid_spec(m: ModelShape, context: int, tp: int = TP) -> Any:
     )
 
 
+def host_budget() -> int:
+    """Upstream books host pools against this (the harness default is half of what is
+    available, too little for a 128K row's 1.2 buffer): the RAM available now less
+    1 GiB. The rows' own budget (`row_gib`) is checked before each row."""
+    import psutil
+
+    return max(0, psutil.virtual_memory().available - (1 << 30))
+
+
 def buffer_args(spec: Any, tokens: int) -> dict:
     return {"hicache_ratio": max(tokens, PAGE) / spec.kv_size}
 
@@ -168,12 +194,12 @@ def write_context(m: ModelShape, context: int, store: str) -> tuple[list[int], l
 
     spec = hybrid_spec(m, context)
     seq = [(i * 7919) % 150_000 + 1 for i in range(context)]
-    with L3Stack(spec, store, server_args=buffer_args(spec, context // 4)) as w:
+    with L3Stack(spec, store, server_args=buffer_args(spec, context // 4), host_budget_bytes=host_budget()) as w:
         w.write(seq, marker=2.0)
         w.settle(timeout=3600)
         node = w.match(seq).last_device_node
         keys = list(w.cache.tree_core.snapshot_buffer_backup(node, False).hash_values)
-    gc.collect()
+    free_memory()
     return seq, keys
 
 
@@ -182,10 +208,15 @@ def measure_restore(m: ModelShape, seq: list[int], store: str, buffer_tokens: in
     from sglang_l3.testing.stack import L3Stack, RestoreFailed
 
     spec = hybrid_spec(m, len(seq))
-    with L3Stack(spec, store, server_args=buffer_args(spec, buffer_tokens)) as st:
+    with L3Stack(spec, store, server_args=buffer_args(spec, buffer_tokens), host_budget_bytes=host_budget()) as st:
         cc = st.cache.cache_controller
         cc.prefetch_capacity_limit = int(0.9 * cc.mem_pool_host.size)  # upstream's limit
         host = cc.mem_pool_host.size
+        # Fault every pool page in first (a serving process's pools are resident;
+        # a CPU stand-in's first touch would bill the kernel's zeroing to the
+        # restore), and scribble the device pools so a stale read fails `exact`.
+        st.scribble()
+        touch_host_pools(cc)
         how = drop_page_cache(store)
         c0, t0 = time.process_time(), time.perf_counter()
         try:
@@ -198,6 +229,8 @@ def measure_restore(m: ModelShape, seq: list[int], store: str, buffer_tokens: in
             k, _ = st.expected_kv(seq)
             exact = bool(st.snapshot(st.match(seq).last_device_node, None).k.equal(k))
             st.release(req)
+        del req, st
+    free_memory()  # the cache's reference cycles hold the pools until collected
     return {
         "host": host,
         "loaded": loaded,
@@ -208,13 +241,32 @@ def measure_restore(m: ModelShape, seq: list[int], store: str, buffer_tokens: in
     }
 
 
+def touch_host_pools(cc: Any) -> None:
+    """Write every host pool buffer once (see measure_restore)."""
+    seen: set[int] = set()
+
+    def fill(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            if x.data_ptr() not in seen:
+                seen.add(x.data_ptr())
+                x.fill_(0)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                fill(y)
+
+    for entry in getattr(cc.mem_pool_host, "entries", None) or []:
+        for name in ("kv_buffer", "temporal_buffer", "conv_buffer"):
+            fill(getattr(entry.host_pool, name, None))
+
+
 def restore_busy(st: Any, seq: list[int]) -> tuple[Any, int]:
-    """`L3Stack.restore` with the scheduler's cadence: ticks back to back (the
-    harness's own pump sleeps 2 ms per tick, which a serving loop does not)."""
+    """`L3Stack.restore` with a scheduler-loop stand-in that ticks as soon as there
+    is work: it blocks on the streamed restore's piece reads (an event), else
+    polls every 0.5 ms (`testing.stack.wait_for_work`)."""
     from array import array
 
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-    from sglang_l3.testing.stack import RestoreFailed
+    from sglang_l3.testing.stack import RestoreFailed, wait_for_work
 
     cache = st.cache
     bp = cache.buffer_pipeline
@@ -225,7 +277,7 @@ def restore_busy(st: Any, seq: list[int]) -> tuple[Any, int]:
         if time.monotonic() > deadline:
             raise RestoreFailed("prefetch did not finish")
         cache.check_hicache_events()
-        time.sleep(0)  # let the store's threads take the GIL
+        wait_for_work(cache)
     cache.pop_prefetch_loaded_tokens(h)
     if not bp.has_staged(h):
         return None, 0
@@ -244,31 +296,76 @@ def measure_upstream(m: ModelShape, seq: list[int], store: str, buffer_tokens: i
         framework.apply_one(spec)
 
 
-def measure_store_read(m: ModelShape, keys: list[str], store: str, context: int) -> dict:
-    """The store's own cold read of the same KV pages into a host pool (batch_get_v1)."""
+def measure_store_read(m: ModelShape, keys: list[str], store: str) -> dict:
+    """The store's own cold read of the same KV pages (batch_get_v1, 128 pages a
+    call as upstream's IO thread), into one reused host region of a small stack:
+    what the disk and the store deliver, without a context-sized host pool."""
     from sglang_l3.testing.stack import L3Stack
 
-    spec = hybrid_spec(m, context)
-    with L3Stack(spec, store, server_args=buffer_args(spec, int(1.2 * context))) as st:
+    batch_pages = 128
+    region = min(len(keys), batch_pages) * PAGE
+    spec = hybrid_spec(m, region)
+    with L3Stack(spec, store, server_args=buffer_args(spec, region), host_budget_bytes=host_budget()) as st:
         cc = st.cache.cache_controller
-        host = cc.mem_pool_host.alloc(len(keys) * PAGE)
+        host = cc.mem_pool_host.alloc(region)
+        touch_host_pools(cc)  # as for the restore: resident memory, cold disk
         drop_page_cache(store)
         t0 = time.perf_counter()
         ok = 0
-        for i in range(0, len(keys), 128):
-            batch = keys[i : i + 128]
-            res = cc.storage_backend.batch_get_v1(batch, host[i * PAGE : (i + len(batch)) * PAGE])
+        for i in range(0, len(keys), batch_pages):
+            batch = keys[i : i + batch_pages]
+            res = cc.storage_backend.batch_get_v1(batch, host[: len(batch) * PAGE])
             ok += sum(bool(x) for x in res)
         wall = time.perf_counter() - t0
         cc.mem_pool_host.free(host)
-    gc.collect()
+    free_memory()
     return {"pages": ok, "wall": wall}
 
 
+# Pools besides the KV ones, in Mamba states (device slots, the requests' own and
+# speculative slots, host slots): calibrated on Qwen3.5-27B at 8K and 32K (peak RSS
+# over the baseline = KV bytes + ~19.5 states).
+STATE_OVERHEAD = 20
+
+
 def row_gib(m: ModelShape, context: int, buffer_tokens: int) -> float:
-    """Memory a row needs: device KV + host buffer + a few states."""
-    kv = m.kv_bytes_per_token() * (context + buffer_tokens)
-    return (kv + 6 * m.state_bytes()) / 2**30
+    """Peak memory of one restore row: device KV + host buffer + the Mamba pools."""
+    kv = m.kv_bytes_per_token() * (context + 4 * PAGE + buffer_tokens)
+    return (kv + STATE_OVERHEAD * m.state_bytes()) / 2**30
+
+
+def write_gib(m: ModelShape, context: int) -> float:
+    """Peak memory of writing the context (device KV + a 1/4 host buffer)."""
+    return row_gib(m, context, context // 4)
+
+
+def free_memory() -> None:
+    """Collect the last stack's pools and hand the freed heap back to the OS: glibc
+    keeps freed pool buffers of up to its (self-raising) mmap threshold in its
+    arenas, so without the trim a row's RSS stayed until the next one allocated
+    and two rows' pools coexisted at the peak (a 256K row was OOM-killed so)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
+def mem_budget_gib(fixed: float | None) -> float:
+    """--max-gib, or what is available now less a 2 GiB margin (rows run one at a
+    time and free everything before the next: the budget is re-read per row)."""
+    free_memory()
+    if fixed is not None:
+        return fixed
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
+    return avail / 2**20 - 2.0
+
+
+def fits(need_gib: float, fixed: float | None) -> bool:
+    """The estimate measured 10-15% under the peak at 256K (the host pool is shared
+    memory, and upstream's per-token side tables grow with the context)."""
+    return 1.15 * need_gib <= mem_budget_gib(fixed)
 
 
 def log(msg: str) -> None:
@@ -283,9 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         "--max-gib",
         type=float,
         default=None,
-        help="skip rows needing more memory (default: 60%% of MemAvailable)",
+        help="skip rows needing more memory (default: MemAvailable - 2 GiB, re-read before each row)",
     )
     ap.add_argument("--dir", default=None, help="store directory (default: a temp dir, removed)")
+    ap.add_argument("--repeat", type=int, default=3, help="(store read, restore) pairs per row; medians are printed")
     args = ap.parse_args(argv)
 
     warnings.filterwarnings("ignore")
@@ -304,17 +402,15 @@ def main(argv: list[str] | None = None) -> int:
     # is the only process, and its own budget is --max-gib.
     host_base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 1 << 30
 
-    if args.max_gib is None:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
-        args.max_gib = 0.6 * avail / 2**20
     contexts = [int(x) for x in args.contexts.split(",")]
     models = [m for m in MODELS if m.name in args.models.split(",")]
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    # One intra-op thread: the host->device copy stands in for a DMA, and the other
+    # cores belong to the store's readers (on a 2-core box, 2 OpenMP threads made
+    # the copies ~5x slower in CPU time when the store's threads ran alongside).
+    torch.set_num_threads(1)
 
-    print(
-        f"# per-rank sizes, TP={TP}, page {PAGE}; memory budget {args.max_gib:.1f} GiB (upstream host reserve lowered to 1 GiB)"
-    )
+    budget = "--max-gib %.1f GiB" % args.max_gib if args.max_gib else "MemAvailable - 2 GiB, re-read per row"
+    print(f"# per-rank sizes, TP={TP}, page {PAGE}; memory budget {budget} (upstream host reserve lowered to 1 GiB)")
     for m in models:
         print(f"# {m.name}: KV {m.kv_bytes_per_token()} B/token, GDN state {m.state_bytes()} B")
     hdr = (
@@ -325,10 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     small: list[tuple[int, float, float, float]] = []  # (context, R, F, U)
     for m in models:
         for context in contexts:
-            if row_gib(m, context, int(1.2 * context)) > args.max_gib:
-                print(
-                    f"{m.name:20s} {context:>8d}  skipped: needs ~{row_gib(m, context, int(1.2 * context)):.1f} GiB > budget"
-                )
+            need = write_gib(m, context)
+            if not fits(need, args.max_gib):
+                print(f"{m.name:20s} {context:>8d}  skipped: writing needs ~{need:.1f} GiB > budget", flush=True)
                 continue
             root = args.dir or tempfile.mkdtemp(prefix="restore-bench-")
             store = os.path.join(root, f"{m.name}-{context}")
@@ -336,12 +431,31 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"[{m.name} {context}] writing ...")
                 seq, keys = write_context(m, context, store)
                 kv_bytes = len(keys) * PAGE * m.kv_bytes_per_token()
-                read = measure_store_read(m, keys, store, context)
-                store_gbps = kv_bytes / read["wall"] / 1e9 if read["pages"] == len(keys) else float("nan")
                 for label, frac in BUFFERS:
                     buf = max(PAGE, int(frac * context) // PAGE * PAGE)
+                    need = row_gib(m, context, buf)
+                    if not fits(need, args.max_gib):
+                        print(
+                            f"{m.name:20s} {context:>8d} {label:>6s}  skipped: needs ~{need:.1f} GiB > budget",
+                            flush=True,
+                        )
+                        continue
                     log(f"[{m.name} {context}] buffer {label} ({buf} tokens) ...")
-                    ours = measure_restore(m, seq, store, buf)
+                    # Side by side: the store's read of the same pages right before
+                    # each restore; medians over --repeat pairs (a shared box is noisy).
+                    reads, runs = [], []
+                    for _ in range(args.repeat):
+                        reads.append(measure_store_read(m, keys, store))
+                        runs.append(measure_restore(m, seq, store, buf))
+                    ok = all(r["pages"] == len(keys) for r in reads)
+                    store_gbps = kv_bytes / statistics.median(r["wall"] for r in reads) / 1e9 if ok else float("nan")
+                    ours = {
+                        "host": runs[0]["host"],
+                        "loaded": min(r["loaded"] for r in runs),
+                        "wall": statistics.median(r["wall"] for r in runs),
+                        "cpu": statistics.median(r["cpu"] for r in runs),
+                        "exact": all(r["exact"] for r in runs) if all(r["exact"] is not None for r in runs) else None,
+                    }
                     up = measure_upstream(m, seq, store, buf)
                     total = ours["loaded"] * m.kv_bytes_per_token() + (m.state_bytes() if ours["loaded"] else 0)
                     gbps = total / ours["wall"] / 1e9 if ours["loaded"] else 0.0

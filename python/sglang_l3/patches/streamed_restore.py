@@ -7,10 +7,11 @@ own rather than by upstream's prefetch thread):
 - The hit of length h starting at J (end of the device prefix) is split into
   |R| = (k-1)·p tokens of private device rows R and a last piece r = h - |R| <= p,
   p = a page-aligned fraction of the host KV pool (SGLANG_L3_STREAM_PIECE, 0.4).
-- Rounds 1..k-1 (KV only): one reader thread reads piece i from the store into
-  host slots (`cc.page_get_func`, as upstream's IO thread does) while the scheduler
-  thread copies piece i-1 host -> R and frees its slots; at most two pieces are in
-  flight, counted in `prefetch_tokens_occupied` so writes yield to them.
+- Rounds 1..k-1 (KV only): reader threads read pieces from the store into host
+  slots (`cc.page_get_func`, as upstream's IO thread does) while the scheduler
+  thread copies the landed piece host -> R and frees its slots; at most two pieces
+  are in flight (read concurrently, landed in order), counted in
+  `prefetch_tokens_occupied` so writes yield to them.
   Completion is MIN-reduced across TP ranks at the end of `check_hicache_events`,
   so every rank lands, fails or aborts the same piece at the same tick.
 - Meanwhile upstream's operation stays parked (`allocate_and_queue_prefetch`
@@ -114,7 +115,10 @@ class Lane:
     def executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="l3-stream-read")
+                # One reader per piece in flight: a piece is a few pages, and reading
+                # them one piece at a time leaves the store's queue shallow (13-page
+                # batches read ~25% slower than 128-page ones; two at once do not).
+                self._executor = ThreadPoolExecutor(MAX_INFLIGHT, thread_name_prefix="l3-stream-read")
             return self._executor
 
     def wait_reads(self) -> None:
@@ -126,6 +130,13 @@ def lane_of(pipe: Any) -> Lane:
     if lane is None:
         lane = pipe.__dict__["_l3_stream_lane"] = Lane()
     return lane
+
+
+def read_futures(pipe: Any) -> list[Future]:
+    """The store reads in flight on `pipe`'s streams (a scheduler loop, or a
+    harness standing in for one, may block on them instead of polling)."""
+    lane = pipe.__dict__.get("_l3_stream_lane")
+    return [] if lane is None else [pc.future for s in lane.streams.values() for pc in s.pieces]
 
 
 def piece_tokens(pipe: Any) -> int:
