@@ -7,6 +7,7 @@ Mamba state bit-exact; same cache and a fresh instance over the same directory
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -61,3 +62,20 @@ def test_unrelated_prefix_misses(tmp_path) -> None:
         h, loaded = st.prefetch(_seq(4, start=1000), "miss")
         assert loaded == 0
         assert not st.cache.buffer_pipeline.has_staged(h)
+
+
+def test_closed_stack_leaves_no_store_threads(tmp_path) -> None:
+    """L3Stack.close closes the store: its session-table writer thread stops."""
+    import threading
+
+    def writers() -> int:
+        return sum(t.name == "sglang-l3-sessions" and t.is_alive() for t in threading.enumerate())
+
+    before = writers()
+    for _ in range(3):
+        with L3Stack(HybridSpec(page_size=4), str(tmp_path)) as st:
+            st.write(_seq(4), marker=1.0)
+    deadline = time.monotonic() + 30
+    while writers() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert writers() == before, f"{writers() - before} session writer thread(s) left behind"

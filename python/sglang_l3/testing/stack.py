@@ -523,6 +523,11 @@ class L3Stack:
             self.cache.cache_controller._stop_storage_threads()
         with contextlib.suppress(Exception):
             self.cache.release_host_resources()
+        backend = getattr(self.cache.cache_controller, "storage_backend", None)
+        close_backend = getattr(backend, "close", None)
+        if close_backend is not None:  # our store's session-table writer thread and directory fds
+            with contextlib.suppress(Exception):
+                close_backend()
         self._exit.close()
 
     def __enter__(self) -> "L3Stack":
