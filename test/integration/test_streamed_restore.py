@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import os
 import time
-from array import array
 
 import pytest
 from sglang_l3 import metrics
 from sglang_l3.patches.streamed_restore import lane_of
+from streamed_support import back_to_baseline
+
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
 
 BUFFER = 256  # target host KV pool (tokens); the pool rounds it up to pages
@@ -60,41 +61,6 @@ def pump(st: L3Stack, cond, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.002)
 
 
-def start_prefetch(st: L3Stack, seq: list[int], rid: str):
-    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-
-    h = CacheRequestHandle(rid, 0)
-    st.cache.prefetch_from_storage(h, st.cache.root_node_handle(), array("q", seq), None, None)
-    return h
-
-
-def check_restored(st: L3Stack, seq: list[int], req, loaded: int, want) -> None:
-    m = st.match(seq)
-    assert loaded == len(seq) == m.device_prefix_len
-    assert req.last_node == m.last_device_node, "request not bound to the restored node"
-    node_slot = st.node_mamba_slot(m.last_device_node)
-    req_slot = int(req.kv.mamba_pool_idx)
-    assert node_slot is not None and node_slot != req_slot
-    assert st.snapshot(m.last_device_node, req_slot).equal(want), "request Mamba slot differs"
-    assert st.snapshot(m.last_device_node, node_slot).equal(want), "node Mamba slot differs"
-    k, v = st.expected_kv(seq)
-    got = st.snapshot(m.last_device_node, None)
-    assert got.k.equal(k) and got.v.equal(v), "restored KV differs"
-
-
-def back_to_baseline(st: L3Stack, *reqs) -> None:
-    for req in reqs:
-        st.release(req)
-    st.evict_all()
-    st.settle()
-    pipe = st.cache.buffer_pipeline
-    assert not lane_of(pipe).streams
-    assert pipe.anchor_locked_tokens_ == 0
-    assert pipe.is_idle()
-    assert st.cache.cache_controller.prefetch_tokens_occupied == 0
-    assert st.pool_sizes() == st.baseline, "a pool did not return to its baseline"
-
-
 def context(st_spec: HybridSpec, times: int, start: int = 11) -> list[int]:
     # The host pool comes out one page above BUFFER (257 tokens at page 1, 320 at 64).
     n = times * (BUFFER + st_spec.page_size)
@@ -114,7 +80,7 @@ def test_restore_through_small_buffer(tmp_path, times: int, page_size: int, core
         c0 = metrics.snapshot()
         st.scribble()
         req, loaded = st.restore(seq, "long")
-        check_restored(st, seq, req, loaded, want)
+        st.check_restored(seq, req, loaded, want, kv=True)
         c1 = metrics.snapshot()
         delta = {k: c1.get(k, 0) - c0.get(k, 0) for k in c1}
         assert delta.get("l3_stream_restore{started}") == 1
@@ -147,7 +113,7 @@ def test_abort_mid_stream_and_when_staged(tmp_path, core: str) -> None:
         pipe = st.cache.buffer_pipeline
         lane = lane_of(pipe)
         # 1) abort while pieces are in flight / landed
-        h = start_prefetch(st, seq, "a1")
+        h = st.start_prefetch(seq, "a1")
         pump(
             st,
             lambda: h in lane.streams and lane.streams[h].landed_pages >= 1,
@@ -167,7 +133,7 @@ def test_abort_mid_stream_and_when_staged(tmp_path, core: str) -> None:
         # 3) the same reader restores it whole afterwards
         st.scribble()
         req, loaded = st.restore(seq, "a3")
-        check_restored(st, seq, req, loaded, want)
+        st.check_restored(seq, req, loaded, want, kv=True)
         back_to_baseline(st, req)
 
 
@@ -185,7 +151,7 @@ def test_store_read_failing_in_piece_k(tmp_path, core: str) -> None:
     with reader(spec, tmp_path, core) as st:
         lane = lane_of(st.cache.buffer_pipeline)
         errors = metrics.get("l3_stream_restore", "storage_error")
-        h = start_prefetch(st, seq, "broken")
+        h = st.start_prefetch(seq, "broken")
         pump(st, lambda: h in lane.streams, "the stream to start")
         s = lane.streams[h]
         k = 3  # a piece not yet submitted (two are in flight at most)
@@ -209,7 +175,7 @@ def test_store_read_failing_in_piece_k(tmp_path, core: str) -> None:
     with reader(spec, tmp_path, core) as st:
         st.scribble()
         req, loaded = st.restore(seq, "healed")
-        check_restored(st, seq, req, loaded, want)
+        st.check_restored(seq, req, loaded, want, kv=True)
         back_to_baseline(st, req)
 
 
@@ -222,8 +188,8 @@ def test_two_streams_through_one_buffer(tmp_path, core: str) -> None:
     with reader(spec, tmp_path, core) as st:
         pipe = st.cache.buffer_pipeline
         st.scribble()
-        ha = start_prefetch(st, a, "A")
-        hb = start_prefetch(st, b, "B")
+        ha = st.start_prefetch(a, "A")
+        hb = st.start_prefetch(b, "B")
         # A third context written meanwhile shares the same host buffer.
         c = context(spec, 2, start=90_000)
         want_c = st.write(c, marker=9.0, flush=False)
@@ -239,13 +205,13 @@ def test_two_streams_through_one_buffer(tmp_path, core: str) -> None:
         st.flush_backups()
         req_a, la = st.admit(ha, a, "A")
         req_b, lb = st.admit(hb, b, "B")
-        check_restored(st, a, req_a, la, want_a)
-        check_restored(st, b, req_b, lb, want_b)
+        st.check_restored(a, req_a, la, want_a, kv=True)
+        st.check_restored(b, req_b, lb, want_b, kv=True)
         back_to_baseline(st, req_a, req_b)
     with reader(spec, tmp_path, core) as st:
         st.scribble()
         req, loaded = st.restore(c, "C")
-        check_restored(st, c, req, loaded, want_c)
+        st.check_restored(c, req, loaded, want_c, kv=True)
         back_to_baseline(st, req)
 
 
@@ -379,7 +345,7 @@ def test_decisions_do_not_depend_on_store_timing(tmp_path, monkeypatch) -> None:
             monkeypatch.setattr(sr, "_launch_reads", traced_launch)
             st.scribble()
             req, loaded = st.restore(seq, "t")
-            check_restored(st, seq, req, loaded, want)
+            st.check_restored(seq, req, loaded, want, kv=True)
             back_to_baseline(st, req)
             assert not lane.streams
         return reads, lands

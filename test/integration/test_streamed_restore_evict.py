@@ -20,11 +20,12 @@ and the freed rows are handed to someone else, who scribbles over them.
 from __future__ import annotations
 
 import time
-from array import array
 
 import pytest
 from sglang_l3 import metrics
 from sglang_l3.patches.streamed_restore import lane_of
+from streamed_support import back_to_baseline
+
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
 
 PAGE = 64
@@ -51,44 +52,6 @@ def pump(st: L3Stack, cond, what: str, timeout: float = 120.0) -> None:
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         st.cache.check_hicache_events()
         time.sleep(0.002)
-
-
-def start_prefetch(st: L3Stack, seq: list[int], rid: str):
-    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-
-    h = CacheRequestHandle(rid, 0)
-    st.cache.prefetch_from_storage(h, st.cache.root_node_handle(), array("q", seq), None, None)
-    return h
-
-
-def check_restored(st: L3Stack, seq: list[int], req, loaded: int, want, resident: int = 0) -> None:
-    """`loaded`: tokens loaded from the host (after `resident` tokens of FULL KV the
-    device already held)."""
-    m = st.match(seq)
-    assert resident + loaded == len(seq) == m.device_prefix_len
-    assert req.last_node == m.last_device_node, "request not bound to the restored node"
-    node_slot = st.node_mamba_slot(m.last_device_node)
-    req_slot = int(req.kv.mamba_pool_idx)
-    assert node_slot is not None and node_slot != req_slot
-    assert st.snapshot(m.last_device_node, req_slot).equal(want), "request Mamba slot differs"
-    assert st.snapshot(m.last_device_node, node_slot).equal(want), "node Mamba slot differs"
-    k, v = st.expected_kv(seq)
-    got = st.snapshot(m.last_device_node, None)
-    assert got.k.equal(k) and got.v.equal(v), "restored KV differs"
-
-
-def back_to_baseline(st: L3Stack, *reqs) -> None:
-    for req in reqs:
-        st.release(req)
-    st.evict_all()
-    st.settle()
-    pipe = st.cache.buffer_pipeline
-    assert not lane_of(pipe).streams
-    assert pipe.anchor_locked_tokens_ == 0
-    assert pipe.is_idle()
-    assert st.cache.cache_controller.prefetch_tokens_occupied == 0
-    st.cache.sanity_check()
-    assert st.pool_sizes() == st.baseline, "a pool did not return to its baseline"
 
 
 def pressure(st: L3Stack) -> None:
@@ -124,7 +87,7 @@ def test_eviction_mid_stream(tmp_path, monkeypatch, core: str, pinned: bool) -> 
         st.write(seq[:TURN1], marker=3.0, flush=False)
         st.write(other, marker=5.0, flush=False)
         st.flush_backups()
-        h = start_prefetch(st, seq, "long")
+        h = st.start_prefetch(seq, "long")
         pump(st, lambda: h in lane.streams and lane.streams[h].landed_pages >= 1, "a landed piece")
         s = lane.streams[h]
         assert s.start == TURN1 and s.state == "reading" and s.next_page < len(s.keys)
@@ -139,7 +102,7 @@ def test_eviction_mid_stream(tmp_path, monkeypatch, core: str, pinned: bool) -> 
             # R's pieces landed before the pressure are checked here too: had R been
             # freed, its rows would have been scribbled by `pressure`.
             req, loaded = st.admit(h, seq, "long")
-            check_restored(st, seq, req, loaded, want, resident=TURN1)
+            st.check_restored(seq, req, loaded, want, resident=TURN1, kv=True)
             back_to_baseline(st, req)
             return
         assert st.match(seq[:TURN1]).device_prefix_len == 0, "an unpinned base is evictable"
@@ -152,7 +115,7 @@ def test_eviction_mid_stream(tmp_path, monkeypatch, core: str, pinned: bool) -> 
         # The whole context still comes back from L3, bit-exact.
         st.scribble()
         req, loaded = st.restore(seq, "again")
-        check_restored(st, seq, req, loaded, want)
+        st.check_restored(seq, req, loaded, want, kv=True)
         back_to_baseline(st, req)
 
 
@@ -183,7 +146,7 @@ def test_stop_policy_applies_to_the_stream(tmp_path, monkeypatch, core: str, pol
         cache.prefetch_timeout_base = cache.prefetch_timeout_per_page = 0.0
         stopped = metrics.get("l3_stream_restore", f"stop_{policy}")
         st.scribble()
-        h = start_prefetch(st, seq, "p")
+        h = st.start_prefetch(seq, "p")
         pump(st, lambda: h in lane.streams, "the stream to start")
         assert lane.streams[h].state == "reading"
         polls = [cache.check_prefetch_progress(h)]
@@ -196,7 +159,7 @@ def test_stop_policy_applies_to_the_stream(tmp_path, monkeypatch, core: str, pol
             pump(st, lambda: cache.check_prefetch_progress(h) and pipe.has_staged(h), "the stream to stage")
             assert cache.pop_prefetch_loaded_tokens(h) == CONTEXT
             req, loaded = st.admit(h, seq, "p")
-            check_restored(st, seq, req, loaded, want)
+            st.check_restored(seq, req, loaded, want, kv=True)
             back_to_baseline(st, req)
             return
         assert polls[-1] is True, "the policy must stop the stream"
@@ -224,7 +187,7 @@ def test_unpinned_base_evicted_after_staging(tmp_path, monkeypatch, core: str) -
         lane = lane_of(pipe)
         st.write(seq[:TURN1], marker=3.0, flush=False)
         st.flush_backups()
-        h = start_prefetch(st, seq, "late")
+        h = st.start_prefetch(seq, "late")
         pump(st, lambda: st.cache.check_prefetch_progress(h) and pipe.has_staged(h), "the stream to stage")
         assert lane.streams[h].state == "staged" and lane.streams[h].start == TURN1
         assert st.cache.pop_prefetch_loaded_tokens(h) == CONTEXT - TURN1
@@ -243,5 +206,5 @@ def test_unpinned_base_evicted_after_staging(tmp_path, monkeypatch, core: str) -
         back_to_baseline(st)
         st.scribble()
         req, loaded = st.restore(seq, "again")
-        check_restored(st, seq, req, loaded, want)
+        st.check_restored(seq, req, loaded, want, kv=True)
         back_to_baseline(st, req)

@@ -428,12 +428,17 @@ class L3Stack:
         for c in self.mamba_cache.conv:
             c.fill_(-7)
 
-    def prefetch(self, seq: list[int], rid: str) -> tuple[Any, int]:
-        """prefetch_from_storage → staged hold; returns (handle, loaded tokens)."""
+    def start_prefetch(self, seq: list[int], rid: str) -> Any:
+        """Issue upstream's prefetch_from_storage for `seq` from the root; returns its handle."""
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 
         h = CacheRequestHandle(rid, 0)
         self.cache.prefetch_from_storage(h, self.cache.root_node_handle(), array("q", seq), None, None)
+        return h
+
+    def prefetch(self, seq: list[int], rid: str) -> tuple[Any, int]:
+        """prefetch_from_storage → staged hold; returns (handle, loaded tokens)."""
+        h = self.start_prefetch(seq, rid)
         bp = self.cache.buffer_pipeline
         _pump(
             self.cache,
@@ -477,12 +482,15 @@ class L3Stack:
         _pump(self.cache, lambda: not self.cache.buffer_pipeline.ongoing_buffer_load_back, "load-back ack")
         return req, int(loaded_len)
 
-    def check_restored(self, seq: list[int], req: Any, loaded: int, want: Snapshot, *, kv: bool = False) -> None:
+    def check_restored(
+        self, seq: list[int], req: Any, loaded: int, want: Snapshot, *, kv: bool = False, resident: int = 0
+    ) -> None:
         """Assert a whole-sequence restore: the request is bound to the restored node, the
         node and the request hold the Mamba state in different slots, and both equal `want`
-        (with `kv`, the device KV also equals what `write` stored)."""
+        (with `kv`, the device KV also equals what `write` stored). `loaded` tokens came
+        from the host after `resident` tokens the device already held."""
         m = self.match(seq)
-        assert loaded == len(seq) == m.device_prefix_len, (loaded, len(seq), m.device_prefix_len)
+        assert resident + loaded == len(seq) == m.device_prefix_len, (resident, loaded, len(seq), m.device_prefix_len)
         assert req.last_node == m.last_device_node, "request not bound to the restored node"
         node_slot = self.node_mamba_slot(m.last_device_node)
         req_slot = int(req.kv.mamba_pool_idx)
