@@ -29,7 +29,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from sglang_l3.testing.server import free_port
+from sglang_l3.testing.server import free_port, stop_process_group
 
 PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 DEBIAN_LIBS = ("libibverbs1", "libnuma1", "libcurl4")
@@ -106,17 +105,8 @@ class _Proc:
 
     def stop(self, timeout: float = 15.0) -> None:
         p, self.proc = self.proc, None
-        if p is None:
-            return
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(10)
+        if p is not None:
+            stop_process_group(p, timeout)
 
     def log_tail(self, n: int = 30) -> str:
         try:

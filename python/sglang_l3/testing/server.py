@@ -299,27 +299,9 @@ class Server:
         )
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the server's process group (launcher, scheduler, detokenizer:
-        started in a session of its own) so it shuts down cleanly; after
-        `timeout`, upstream's kill_process_tree kills and reaps what is left, and
-        the group is killed for any process that left the tree."""
-        from sglang.srt.utils import kill_process_tree
-
         p, self.proc = self.proc, None
-        if p is None:
-            return
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout)
-        if p.poll() is None:  # still ours (a reaped pid may already be someone else's)
-            with contextlib.suppress(RuntimeError):  # not reaped in time: the group kill follows
-                kill_process_tree(p.pid, include_parent=True, wait_timeout=30)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(10)
+        if p is not None:
+            stop_process_group(p, timeout)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -491,3 +473,23 @@ def prompt(seed: int, n: int, vocab: int = 1000) -> list[int]:
 
     rng = random.Random(seed)
     return [rng.randrange(3, vocab + 3) for _ in range(n)]
+
+
+def stop_process_group(p: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Stop a child started in a session of its own: SIGTERM its process group so
+    it shuts down cleanly; after `timeout`, upstream's kill_process_tree kills and
+    reaps what is left, and the group is killed for any process that left the tree."""
+    from sglang.srt.utils import kill_process_tree
+
+    if p.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout)
+    if p.poll() is None:  # still ours (a reaped pid may already be someone else's)
+        with contextlib.suppress(RuntimeError):  # not reaped in time: the group kill follows
+            kill_process_tree(p.pid, include_parent=True, wait_timeout=30)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        p.wait(10)
