@@ -114,7 +114,16 @@ _VARS = (
         "SGLANG_L3_TEST_FAULT",
         "unset",
         "fault injection for tests only: restore-fallback@RANK makes that TP rank alone fall back on its first "
-        "restore, to prove SGLANG_L3_VERIFY=1 catches a rank disagreement; never set in production",
+        "restore, to prove SGLANG_L3_VERIFY=1 catches a rank disagreement; skip-load-fence removes the streamed "
+        "restore's fence on the forward stream, to prove the simulated-stream tests catch it; never set in production",
+        "tests",
+    ),
+    EnvVar(
+        "SGLANG_L3_SIM_STREAMS",
+        "",
+        "SEED[:threaded]: with the CPU switch, a simulated asynchronous device (patch cpu-sim-streams): "
+        "side-stream copies queue until waited on, acks lag by seeded polls (:threaded: a device thread runs "
+        "them); for the cache-stack tests and benchmarks, never for a served model",
         "tests",
     ),
 )

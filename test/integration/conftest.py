@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_l3.patches import framework
+from sglang_l3.testing.sim import SEEDS, simulated_device
 
 
 @pytest.fixture
@@ -16,3 +17,65 @@ def without(request):
     framework.undo(pid)
     yield pid
     framework.apply_one(spec)
+
+
+# Every test of these files moves data through HiCache: it runs on the simulated
+# asynchronous device (sglang_l3.testing.sim), under the first seed; the tests (or
+# parameter sets) marked `all_seeds` run under every seed.
+SIM_FILES = {
+    "test_l3_restore.py",
+    "test_mooncake_restore.py",
+    "test_reanchor.py",
+    "test_session_guard.py",
+    "test_sessions_stack.py",
+    "test_stale_cow.py",
+    "test_store_restore.py",
+    "test_streamed_restore.py",
+    "test_streamed_restore_async.py",
+    "test_streamed_restore_evict.py",
+    "test_streamed_restore_short.py",
+    "test_streamed_write.py",
+    "test_write_path.py",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "all_seeds(**params): run under every simulated-device seed (only the parameter sets "
+        "whose values are in the given tuples; no arguments: all of them), not the first seed only",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "sim_device" in metafunc.fixturenames and metafunc.definition.path.name in SIM_FILES:
+        metafunc.parametrize("sim_device", SEEDS, indirect=True, ids=[f"sim{s}" for s in SEEDS])
+
+
+def _all_seeds(item: pytest.Item) -> bool:
+    mark = item.get_closest_marker("all_seeds")
+    if mark is None:
+        return False
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return all(params.get(k) in v for k, v in mark.kwargs.items())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    keep, drop = [], []
+    for item in items:
+        seed = getattr(getattr(item, "callspec", None), "params", {}).get("sim_device")
+        (drop if seed not in (None, SEEDS[0]) and not _all_seeds(item) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture(autouse=True)
+def sim_device(request):
+    """The simulated device under the parametrized seed (none for other files)."""
+    seed = getattr(request, "param", None)
+    if seed is None:
+        yield None
+        return
+    with simulated_device(seed):
+        yield seed

@@ -175,6 +175,7 @@ def _foreign_read(cluster, tmp_path, seq, ps) -> tuple[int, bool]:
     with _stack(cluster, tmp_path, ps, spec={"dtype": torch.bfloat16}) as st:
         st.write(seq, marker=2.0)
     with _stack(cluster, tmp_path, ps, spec={"dtype": torch.float16}) as st:
+        st.check_forward_kv = False  # compared below: foreign bytes are what this test looks for
         st.scribble()
         try:
             _req, loaded = st.restore(seq, "foreign")

@@ -104,6 +104,29 @@ def test_verify_mode_compares_states_at_ack(stack: L3Stack, monkeypatch) -> None
     assert_baseline(stack)
 
 
+def test_verify_right_after_the_batch_is_chosen_waits_for_the_load(tmp_path, monkeypatch) -> None:
+    """Patch tp-verify-restores compares the restored states right after the scheduler
+    chose the batch, before the load-back's ack: on an asynchronous device the H2D copies
+    are still queued then. The check waits for them (a device-agnostic sync) instead of
+    reporting bytes that have not landed as a corrupted restore."""
+    from sglang_l3.patches import tp_agreement
+
+    monkeypatch.setenv("SGLANG_L3_VERIFY", "1")
+    with L3Stack(HybridSpec(page_size=4), str(tmp_path)) as st:
+        seq = _seq(st)
+        snap = _stored(st, seq)
+        h = SchedulerHarness(st)
+        req = h.make_req(seq + EXTRA)
+        before = metrics.get("verify_checks")
+        # What Scheduler.get_next_batch_to_run (hooked by the patch) does around admission.
+        batch = tp_agreement._get_next_batch_to_run(lambda sched: _admit_restored(h, req), h.s)
+        assert metrics.get("verify_checks") == before + 1
+        h.forward(batch)
+        assert_bound(st, req, seq, snap)
+        h.finish(req)
+        assert_baseline(st)
+
+
 def test_verify_mode_catches_a_corrupted_state(tmp_path, monkeypatch) -> None:
     """A wrong byte in the request's slot at ack time is a fail-stop, not served."""
     monkeypatch.setenv("SGLANG_L3_VERIFY", "1")
@@ -115,7 +138,8 @@ def test_verify_mode_catches_a_corrupted_state(tmp_path, monkeypatch) -> None:
         h.arrive(req)
         h.wait_prefetch(req)
         h.admit()
-        # The H2D is synchronous on CPU: scribble the request's slot before the ack.
+        # Scribble the request's slot once the H2D has landed, before the ack is reaped.
+        st.device_module.synchronize()
         st.mamba_cache.temporal[:, int(req.kv.mamba_pool_idx)] += 1
         with pytest.raises(ReanchorViolation, match=r"verify: restored Mamba state differs"):
             h.forward(None)

@@ -154,6 +154,7 @@ def test_negative_control_upstream_serves_a_flipped_byte(tmp_path, upstream_file
             f.write(bytes([b[0] ^ 0x40]))
         st.evict_all()
         st.scribble()
+        st.check_forward_kv = False  # the wrong KV is what this control shows
         req, loaded = st.restore(seq, "upstream")
         assert loaded == len(seq), "upstream restores the damaged page as valid"
         m = st.match(seq)

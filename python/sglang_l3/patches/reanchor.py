@@ -306,8 +306,12 @@ def _commit_prefill_admission(original, adder: Any, req: Any, admission: Any, *a
 
 
 def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    """Every queued copy has landed (the verify may run before the load-back's ack, right
+    after the batch was chosen: patch tp-verify-restores). Device-agnostic: the device
+    module upstream uses (torch.cuda on CUDA/HIP; torch.cpu, or the simulated device, here)."""
+    from sglang.srt.utils import get_device_module
+
+    get_device_module().synchronize()
 
 
 def verify_restored_state(pipe: Any, rec: RestoreRecord) -> list[str]:

@@ -77,6 +77,17 @@ class _Piece:
     pages: int
     host: torch.Tensor
     future: Future
+    copied: Any = None  # the event recorded after its host -> R copy (queued on the load stream)
+
+
+@dataclasses.dataclass
+class _Retiring:
+    """A copy still in flight whose buffers outlive their stream: the host slots (and
+    device rows, when the stream no longer uses them) are freed once the copy completed."""
+
+    copied: Any
+    host: torch.Tensor | None
+    rows: torch.Tensor | None
 
 
 @dataclasses.dataclass
@@ -92,8 +103,9 @@ class Stream:
     pin: Any = None
     state: str = "reading"  # reading -> ready -> final -> staged; or aborting
     next_page: int = 0
-    landed_pages: int = 0
-    pieces: deque = dataclasses.field(default_factory=deque)
+    landed_pages: int = 0  # pages whose host -> R copy is queued
+    pieces: deque = dataclasses.field(default_factory=deque)  # reading, in order
+    copying: deque = dataclasses.field(default_factory=deque)  # copy queued, host slots held
     reason: str = ""
     f: tuple | None = None  # (matched_len, num_tokens, hash_values) of the last piece's staged hold
 
@@ -108,6 +120,7 @@ class Lane:
 
     def __init__(self) -> None:
         self.streams: dict[Any, Stream] = {}
+        self.retiring: list[_Retiring] = []  # copies of ended streams still in flight
         self.local_drain = False  # inside upstream's unsynchronised (detach) drain
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -176,15 +189,45 @@ def _read_piece(cc: Any, op: Any, keys: list[str], host: torch.Tensor, prefix_ke
     return done
 
 
-def _copy_to_device(cc: Any, host: torch.Tensor, rows: torch.Tensor) -> None:
-    """Host piece -> private device rows, all layers, synchronously (scheduler thread)."""
+FAULT_ENV = "SGLANG_L3_TEST_FAULT"
+SKIP_LOAD_FENCE = "skip-load-fence"  # test fault: no fence on the forward stream before a piece copy
+
+
+def _copy_to_device(cc: Any, host: torch.Tensor, rows: torch.Tensor) -> Any:
+    """Queue host piece -> private device rows R (all layers) and return the event recorded
+    after it. Never blocks the scheduler thread.
+
+    Stream: upstream's load stream (`cc.l2_transfer_engine.host_to_device_stream`), as
+    `HiCacheController.start_loading` queues load-backs. Fence: the load stream first waits
+    for the forward stream (`cc.load_fence_stream`): rows just taken from the allocator may
+    still be written by a forward pass in flight (overlap scheduling frees a finished
+    request's rows while its last token is written), and for the scheduler's stream (index
+    uploads). What the forward waits on: nothing reads R before admission; there the last
+    piece's load-back is queued on this same stream after every piece copy, and the forward
+    waits on that load's per-layer events (`LayerDoneCounter`), which therefore cover R.
+    Buffers: the host slots are freed, and R (if the stream ends unused) returned to the
+    allocator, only once the returned event has completed on every rank (`_tick`)."""
+    from sglang.srt.utils import get_device_module
+
+    from sglang_l3 import envs
+
+    dm = get_device_module()
+    stream = cc.l2_transfer_engine.host_to_device_stream
     entry = cc.mem_pool_host.anchor_entry
     hp = entry.host_pool
     h, d = cc.move_indices(host, rows)
-    for layer in range(getattr(hp, "target_layer_num", hp.layer_num)):
-        hp.load_to_device_per_layer(entry.device_pool, h, d, layer, cc.io_backend)
-    if rows.is_cuda:
-        torch.cuda.current_stream().synchronize()
+    stream.wait_stream(dm.current_stream())
+    if cc.load_fence_stream is not None and envs.value(FAULT_ENV) != SKIP_LOAD_FENCE:
+        stream.wait_stream(cc.load_fence_stream)
+    with dm.stream(stream):
+        for layer in range(getattr(hp, "target_layer_num", hp.layer_num)):
+            hp.load_to_device_per_layer(entry.device_pool, h, d, layer, cc.io_backend)
+        done = dm.Event()
+        done.record()
+    for t in (h, d):
+        if t.is_cuda:
+            t.record_stream(stream)  # the caching allocator keeps them until the copy ran
+    return done
 
 
 # --------------------------------------------------------------------- lifecycle
@@ -360,15 +403,29 @@ def _free_piece(pipe: Any, pc: _Piece) -> None:
     cc.prefetch_tokens_occupied -= len(pc.host)
 
 
+def _retire(pipe: Any, s: Stream, rows: torch.Tensor | None) -> None:
+    """Hand the stream's copies in flight to the lane: their host slots, and `rows` (device
+    rows the stream gives back), are freed once the last of them completed (`_tick`).
+    With no copy in flight, `rows` are freed now."""
+    lane = lane_of(pipe)
+    pcs = list(s.copying)
+    s.copying.clear()
+    for i, pc in enumerate(pcs):
+        last = i == len(pcs) - 1
+        lane.retiring.append(_Retiring(pc.copied, pc.host, rows if last else None))
+    if not pcs and rows is not None and len(rows):
+        pipe._cache.token_to_kv_pool_allocator.free(rows)
+
+
 def _end(pipe: Any, s: Stream, outcome: str, *, free_rows: bool = True) -> None:
-    """Release what the stream still owns (rows, pin) exactly once."""
+    """Release what the stream still owns (rows, pin) exactly once; rows a copy may still
+    be writing are freed when it completed (`_retire`)."""
     lane = lane_of(pipe)
     if lane.streams.get(s.handle) is not s:
         return
     del lane.streams[s.handle]
     assert not s.pieces, "stream ended with host pieces in flight"
-    if free_rows and len(s.rows):
-        pipe._cache.token_to_kv_pool_allocator.free(s.rows)
+    _retire(pipe, s, s.rows if free_rows and len(s.rows) else None)
     if s.pin is not None:
         pipe._cache.tree_core.dec_full_pin(s.pin)
         s.pin = None
@@ -388,12 +445,22 @@ def _abort(pipe: Any, s: Stream, reason: str) -> None:
     )
 
 
+def _leading_done(events: list[Any]) -> list[int]:
+    """1 for each event of the completed prefix of `events` (polled in order), 0 after."""
+    out, ok = [], True
+    for ev in events:
+        ok = ok and bool(ev.query())
+        out.append(int(ok))
+    return out
+
+
 def _tick(cache: Any) -> None:
-    """Once per check_hicache_events, identical on every rank: land the pieces every
-    rank has read, start the next reads, end aborted streams."""
+    """Once per check_hicache_events, identical on every rank: queue the copies of the
+    pieces every rank has read, free the host slots (and rows) of the copies every rank
+    has completed, start the next reads, end aborted streams."""
     pipe = cache.buffer_pipeline
     lane = lane_of(pipe)
-    if not lane.streams:
+    if not lane.streams and not lane.retiring:
         return
     streams = list(lane.streams.values())
     flags = []
@@ -405,17 +472,34 @@ def _tick(cache: Any) -> None:
                 flags += [1, int(ok)]
             else:
                 flags += [0, 1]
+        flags += _leading_done([pc.copied for pc in s.copying])  # rank-identical lengths
+    flags += _leading_done([r.copied for r in lane.retiring])
     t = torch.tensor(flags, dtype=torch.int32)
     cache._all_reduce(t, torch.distributed.ReduceOp.MIN)
     agreed = t.tolist()
     cc = cache.cache_controller
     page = cache.page_size
-    for j, s in enumerate(streams):
+    at = 0
+    retired = sum(agreed[len(agreed) - len(lane.retiring) :]) if lane.retiring else 0
+    for r in lane.retiring[:retired]:
+        if r.host is not None:
+            cc.mem_pool_host.free(r.host)
+            cc.prefetch_tokens_occupied -= len(r.host)
+        if r.rows is not None:
+            cache.token_to_kv_pool_allocator.free(r.rows)
+    del lane.retiring[:retired]
+    for s in streams:
+        reads = agreed[at : at + 2 * MAX_INFLIGHT]
+        at += 2 * MAX_INFLIGHT
+        copied = sum(agreed[at : at + len(s.copying)])
+        at += len(s.copying)
+        for _ in range(copied):
+            _free_piece(pipe, s.copying.popleft())
         info = cache.ongoing_prefetch.get(s.handle)
         if s.state in ("reading", "ready", "final") and (info is None or info.operation is not s.op):
             _abort(pipe, s, "aborted")
         for i in range(MAX_INFLIGHT):
-            done, ok = agreed[j * 2 * MAX_INFLIGHT + 2 * i : j * 2 * MAX_INFLIGHT + 2 * i + 2]
+            done, ok = reads[2 * i : 2 * i + 2]
             if not done:
                 break
             pc = s.pieces.popleft()
@@ -423,14 +507,16 @@ def _tick(cache: Any) -> None:
                 pass
             elif ok:
                 a = pc.first_page * page
-                _copy_to_device(cc, pc.host, s.rows[a : a + pc.pages * page])
+                pc.copied = _copy_to_device(cc, pc.host, s.rows[a : a + pc.pages * page])
+                s.copying.append(pc)  # its host slots are freed once the copy completed
                 s.landed_pages += pc.pages
                 metrics.inc("l3_stream_restore_pieces")
+                continue
             else:
                 _storage_error(cache, s, pc)
             _free_piece(pipe, pc)
         if s.state == "aborting":
-            if not s.pieces:
+            if not s.pieces and not s.copying:
                 _end(pipe, s, s.reason)
             continue
         if s.state == "reading":
@@ -546,11 +632,13 @@ def apply(ctx: PatchContext) -> None:
             return state, why  # deferred: R stays with the staged hold
         cut = min(max(d - s.start, 0), s.r_tokens)
         used, spare = s.rows[cut:], s.rows[:cut]
-        if len(spare):
-            self._cache.token_to_kv_pool_allocator.free(spare)
         state.device_indices = torch.cat([used.to(state.device_indices.device), state.device_indices])
         state.num_tokens = plan.full_tokens
-        s.rows = s.rows[:0]  # R now belongs to the insert init_load_back makes next
+        # R now belongs to the insert init_load_back makes next; the copies still in flight
+        # into it are ahead of this load-back on the load stream, so the forward's per-layer
+        # waits cover them. Their host slots, and the head rows the device prefix covers
+        # (`spare`), are freed once they completed.
+        s.rows = spare
         _end(self, s, "restored")
         return state, why
 
@@ -603,9 +691,15 @@ def apply(ctx: PatchContext) -> None:
     def reset(orig: Any, self: Any) -> None:
         lane = self.__dict__.pop("_l3_stream_lane", None)
         if lane is not None:
-            # Pools are cleared wholesale by the cache reset: drop, never free twice.
+            # Pools are cleared wholesale by the cache reset: drop, never free twice; no
+            # copy of ours may land after it.
             lane.wait_reads()
+            for ev in [pc.copied for s in lane.streams.values() for pc in s.copying]:
+                ev.synchronize()
+            for r in lane.retiring:
+                r.copied.synchronize()
             lane.streams.clear()
+            lane.retiring.clear()
         orig(self)
 
     def local_drain(orig: Any, self: Any) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from sglang_l3.testing.stack import L3Stack, _pump
+from sglang_l3.testing.stack import L3Stack, _on_stream, _pump
 
 
 class _NoGrammar:
@@ -161,19 +161,42 @@ class SchedulerHarness:
         mr._maybe_execute_deferred_mamba_cow_and_clear(fb)
 
     def forward(self, batch: Any) -> None:
-        """Stand in for a model forward: wait for the H2D loads, apply the
-        deferred CoW/clear, write each request's new KV rows, then cache."""
-        cache = self.stack.cache
-        _pump(cache, lambda: not cache.buffer_pipeline.ongoing_buffer_load_back, "load-back ack")
+        """Stand in for a model forward, on the stack's forward stream as the scheduler
+        runs it: the batch's hicache consumer is set and every layer waits on upstream's
+        per-layer load events (no ack is awaited first); the prefix rows (and the CoW
+        source states) are read behind those waits, then the deferred CoW/clear runs and
+        each request's new KV rows are written. The forward stream is then drained (the
+        result is read back), the reads checked against what fill_kv wrote, the load-back
+        ack reaped and the read Mamba states checked against what landed."""
+        st = self.stack
+        cache = st.cache
         if batch is None:
+            _pump(cache, lambda: not cache.buffer_pipeline.ongoing_buffer_load_back, "load-back ack")
             return
-        self.run_deferred_mamba_cow_and_clear(batch)
-        rtt = self.stack.req_to_token_pool.req_to_token
-        for req in batch.reqs:
-            start, end = req.prefix_len, req.extend_end
-            if end > start:
-                rows = rtt[req.kv.req_pool_idx, start:end].long()
-                self.stack.fill_kv(rows, list(req.full_untruncated_fill_ids[start:end]), start)
+        rtt = st.req_to_token_pool.req_to_token
+        rows = torch.cat([rtt[r.kv.req_pool_idx, : r.prefix_len].long() for r in batch.reqs])
+        ids = torch.cat([torch.tensor(list(r.full_untruncated_fill_ids[: r.prefix_len])) for r in batch.reqs])
+        pos = torch.cat([torch.arange(r.prefix_len) for r in batch.reqs])
+        src = getattr(batch, "mamba_cow_src_indices", None)
+        slots = [] if src is None else [int(x) for x in torch.as_tensor(src).reshape(-1).tolist()]
+        read = st.forward_read(
+            batch.hicache_consumer_index, rows, ids.long() if st.check_forward_kv else None, pos, slots
+        )
+
+        def compute() -> None:
+            self.run_deferred_mamba_cow_and_clear(batch)
+            for req in batch.reqs:
+                start, end = req.prefix_len, req.extend_end
+                if end > start:
+                    new_rows = rtt[req.kv.req_pool_idx, start:end].long()
+                    st.fill_kv(new_rows, list(req.full_untruncated_fill_ids[start:end]), start)
+
+        with st.device_module.stream(st.forward_stream):
+            _on_stream(compute, "forward")
+        st.finish_forward()
+        st.check_forward_read(read)
+        _pump(cache, lambda: not cache.buffer_pipeline.ongoing_buffer_load_back, "load-back ack")
+        st.check_forward_mamba(read)
         chunked = self.s.chunked_req
         if chunked is not None and chunked.inflight_middle_chunks > 0:
             chunked.inflight_middle_chunks -= 1  # the result of this chunk is in

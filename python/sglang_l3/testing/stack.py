@@ -79,6 +79,31 @@ class RestoreFailed(AssertionError):
     pass
 
 
+@dataclass
+class ForwardRead:
+    """What a simulated forward pass read (filled when the forward stream runs)."""
+
+    rows: int
+    mamba_slots: list[int] = field(default_factory=list)
+    kv: list[tuple[int, int]] = field(default_factory=list)  # (layer, rows that differ)
+    mamba: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)
+
+
+def _on_stream(fn: Callable[[], None], what: str = "forward-read") -> None:
+    """Queue `fn` on the current stream of the simulated device; run it now otherwise."""
+    from sglang_l3.cpu import sim_streams
+
+    if sim_streams.installed():
+        sim_streams.enqueue(fn, what)
+    else:
+        fn()
+
+
+def _req_mamba_slot(req: Any) -> Optional[int]:
+    idx = getattr(req.kv, "mamba_pool_idx", None)
+    return None if idx is None else int(torch.as_tensor(idx).reshape(-1)[0])
+
+
 # The scheduler polls HiCache events between batches; here this loop is that
 # scheduler. A restore waits on it twice (host buffers for a storage hit are
 # allocated on this thread; the staged hit is picked up by it), so its period is
@@ -202,8 +227,21 @@ class L3Stack:
             self.cache.init_hicache(self.server_args, params)
         atexit.unregister(self.cache.shutdown)
         cc = self.cache.cache_controller
+        # The forward stream, wired as Scheduler.__init__ wires the model runner's: upstream
+        # fences every load-back (start_loading) and backup (start_writing) behind it. On the
+        # simulated device (sglang_l3.testing.sim) work queued here runs only when waited on,
+        # like a forward pass still running beside the scheduler under overlap scheduling.
+        from sglang.srt.utils import get_device_module
+
+        self.device_module = get_device_module()
+        self.forward_stream = self.device_module.Stream()
+        cc.load_fence_stream = self.forward_stream
+        cc.write_fence_stream = self.forward_stream
         cc.prefetch_capacity_limit = max(cc.prefetch_capacity_limit, cc.mem_pool_host.size)
         self.cache.load_back_threshold = 0
+        # admit() compares the KV a forward pass reads with what fill_kv wrote (every
+        # test writes its contexts through write()/fill_kv); off for other contents.
+        self.check_forward_kv = True
         self._rid = 0
         self.baseline = self.pool_sizes()
 
@@ -377,15 +415,124 @@ class L3Stack:
             kb[rows] = (base + layer).to(kb.dtype)
             vb[rows] = (-base - layer).to(vb.dtype)
 
-    def expected_kv(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """First full-attention layer's KV that fill_kv writes for a whole prefix."""
-        ids = torch.tensor(list(token_ids), dtype=torch.float32)
-        pos = torch.arange(len(ids), dtype=torch.float32)
-        base = ((ids % 251) / 8 + (pos % 61) / 4).view(-1, 1, 1)
-        layer = self.kv_pool.start_layer
-        kb = self.kv_pool.get_key_buffer(layer)
+    def expected_kv(
+        self, token_ids: list[int], start_pos: int = 0, layer: Optional[int] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KV fill_kv writes for `token_ids` at positions from `start_pos` (default:
+        a whole prefix) in `layer` of the full-attention pool (default: its first)."""
+        pos = torch.arange(start_pos, start_pos + len(token_ids))
+        return self._expected_kv_at(torch.tensor(list(token_ids)), pos, layer)
+
+    def _expected_kv_at(
+        self, ids: torch.Tensor, pos: torch.Tensor, layer: Optional[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        base = ((ids.float() % 251) / 8 + (pos.float() % 61) / 4).view(-1, 1, 1)
+        layer = self.kv_pool.start_layer if layer is None else layer
+        kb = self.kv_pool.k_buffer[layer - self.kv_pool.start_layer]
         shape = (len(ids),) + tuple(kb.shape[1:])
         return (base + layer).expand(shape).to(kb.dtype), (-base - layer).expand(shape).to(kb.dtype)
+
+    # ----------------------------------------------------- the forward stream
+    def forward_read(
+        self,
+        consumer: int,
+        rows: torch.Tensor,
+        token_ids: Optional[torch.Tensor],
+        positions: Optional[torch.Tensor],
+        mamba_slots: list[int],
+    ) -> "ForwardRead":
+        """Queue on the forward stream what a forward pass of a just-admitted batch reads:
+        `TpModelWorker.set_hicache_consumer(consumer)`, then per layer upstream's own wait
+        (`HybridLinearKVPool.get_key_buffer` / `HybridReqToTokenPool.mamba2_layer_index` ->
+        `LayerDoneCounter.wait_until`) followed by the read of `rows` in every full-attention
+        layer (compared with the KV fill_kv writes for `token_ids` at `positions`; no
+        comparison when None) and of `mamba_slots` in every Mamba layer (kept for
+        `check_forward_mamba`). The reads run when the forward stream runs
+        (`finish_forward()`); `check_forward_read` reports them."""
+        kv = self.allocator.get_kvcache()
+        rtp = self.req_to_token_pool
+        counter = self.cache.cache_controller.layer_done_counter
+        out = ForwardRead(len(rows), list(mamba_slots))
+        rows = rows.clone()
+        slots = torch.tensor(mamba_slots, dtype=torch.int64)
+        mc = self.mamba_cache
+
+        def read_kv(k: torch.Tensor, v: torch.Tensor, local: int) -> None:
+            if token_ids is None or positions is None:
+                out.kv.append((local, 0))
+                return
+            want_k, want_v = self._expected_kv_at(token_ids, positions, local)
+            bad = (k[rows] != want_k).reshape(len(rows), -1).any(1) | (v[rows] != want_v).reshape(len(rows), -1).any(1)
+            out.kv.append((local, int(bad.sum())))
+
+        def read_mamba(i: int, layer: int) -> None:
+            out.mamba.append((layer, [mc.temporal[i, slots].clone()] + [c[i, slots].clone() for c in mc.conv]))
+
+        with self.device_module.stream(self.forward_stream):
+            counter.set_consumer(consumer)
+            try:
+                for layer in range(self.spec.num_layers):
+                    if layer in self.spec.full_attention_layer_ids:
+                        k, v = kv.get_key_buffer(layer), kv.get_value_buffer(layer)  # waits for the layer
+                        local = kv.full_attention_layer_id_mapping[layer]  # fill_kv's layer id
+                        _on_stream(lambda k=k, v=v, L=local: read_kv(k, v, L))
+                    elif len(slots):
+                        i = rtp.mamba2_layer_index(layer)  # waits for the layer
+                        _on_stream(lambda i=i, L=layer: read_mamba(i, L))
+            finally:
+                counter.set_consumer(-1)  # the next batch loads nothing
+        return out
+
+    def finish_forward(self) -> None:
+        """The forward pass has run (the scheduler reads its result back): drain the forward
+        stream only, so its reads see what its own waits ordered, nothing more. (torch.cpu's
+        plain streams have no queue and no synchronize.)"""
+        sync = getattr(self.forward_stream, "synchronize", None)
+        if sync is not None:
+            sync()
+
+    def check_forward_read(self, read: "ForwardRead") -> None:
+        """The forward read the KV fill_kv wrote in every row it read."""
+        assert len(read.kv) == len(self.spec.full_attention_layer_ids), "the forward read has not run"
+        for layer, bad in read.kv:
+            if bad:
+                raise RestoreFailed(
+                    f"the forward pass read wrong KV in layer {layer}: {bad} of {read.rows} restored rows differ "
+                    "(a copy landed after the forward read it, or something overwrote the rows)"
+                )
+
+    def check_forward_mamba(self, read: "ForwardRead") -> None:
+        """The Mamba states the forward read equal what is there once every copy has landed."""
+        mc = self.mamba_cache
+        layer_index = dict(self.req_to_token_pool.mamba_map)
+        slots = torch.tensor(read.mamba_slots, dtype=torch.int64)
+        for layer, got in read.mamba:
+            i = layer_index[layer]
+            now = [mc.temporal[i, slots]] + [c[i, slots] for c in mc.conv]
+            if not all(a.equal(b) for a, b in zip(got, now)):
+                raise RestoreFailed(f"the forward pass read a Mamba state in layer {layer} before it landed")
+
+    def inflight_forward_write_then_free(self, value: float = 123.0) -> torch.Tensor:
+        """Test fault: what overlap scheduling does when a request is found finished — its
+        rows are freed while the forward pass already launched still writes its last token
+        there. Takes every free device KV row, queues a write of `value` into all of them on
+        the forward stream, and frees them. Returns the rows. (On a synchronous device the
+        write lands at once and is harmless.)"""
+        n = self.allocator.available_size()
+        rows = self.allocator.alloc(n // self.spec.page_size * self.spec.page_size)
+        kv = self.kv_pool
+        layers = [(kv.k_buffer[i], kv.v_buffer[i]) for i in range(kv.layer_num)]
+        r = rows.clone()
+
+        def write() -> None:
+            for kb, vb in layers:
+                kb[r] = value
+                vb[r] = value
+
+        with self.device_module.stream(self.forward_stream):
+            _on_stream(write, "forward-write")
+        self.allocator.free(rows)
+        return r
 
     def flush_backups(self) -> None:
         bp = self.cache.buffer_pipeline
@@ -478,9 +625,19 @@ class L3Stack:
             raise RestoreFailed("init_load_back fell back to recompute")
         loaded_len, node = loaded
         req.last_node = node  # what PrefillAdder.add_one_req does with the result
-        self.cache.ready_to_load_host_cache()
+        consumer = self.cache.ready_to_load_host_cache()
+        # The batch's forward pass runs before the ack is seen: it reads the restored rows
+        # and states behind upstream's per-layer waits only.
+        rows = self.cache.path_device_indices(node)
+        n, end = int(loaded_len), len(rows)
+        slots = [s for s in (self.node_mamba_slot(node), _req_mamba_slot(req)) if s is not None]
+        ids = torch.tensor(seq[end - n : end]) if self.check_forward_kv else None
+        read = self.forward_read(consumer, rows[end - n :], ids, torch.arange(end - n, end), slots)
+        self.finish_forward()
+        self.check_forward_read(read)
         _pump(self.cache, lambda: not self.cache.buffer_pipeline.ongoing_buffer_load_back, "load-back ack")
-        return req, int(loaded_len)
+        self.check_forward_mamba(read)
+        return req, n
 
     def check_restored(
         self, seq: list[int], req: Any, loaded: int, want: Snapshot, *, kv: bool = False, resident: int = 0
@@ -527,6 +684,8 @@ class L3Stack:
         self.req_to_token_pool.free(req)
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.device_module.synchronize()  # no queued copy outlives the pools
         with contextlib.suppress(Exception):
             self.cache.cache_controller._stop_storage_threads()
         with contextlib.suppress(Exception):

@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""Decode stall during a streamed L3 restore: one request decodes while another's long
+context streams back from L3 through a small host buffer (issue 22, item 6).
+
+Why the cache-stack harness and not a CPU server: the stall comes from the scheduler
+thread copying a landed piece host -> device. On a GPU that copy is a DMA on
+upstream's load stream; a CPU server has no asynchronous device (torch.cpu streams do
+nothing), so every copy is synchronous there whatever the patch does. The harness runs
+the real upstream cache stack (UnifiedRadixCache + HybridCacheController + buffer-only
+HiCache + our store) at one TP=2 rank's Qwen3-Next-80B-A3B sizes (benchmark/restore_bench.py),
+on the simulated device in threaded mode (`sglang_l3.testing.sim`): a device thread runs
+what is queued on the load stream, as a copy engine does, beside the scheduler thread.
+
+The scheduler loop stand-in ticks once per decode step of request A: upstream's
+`check_hicache_events` (our `_tick` lands pieces in it), the poll of request B's
+prefetch, then A's decode forward on the scheduler thread (a fixed matmul workload,
+~--decode-ms, plus A's next KV row). A's inter-token gap is one tick. Three runs over
+the same store, each --repeat restores of B long:
+
+- `no restore`: A decodes alone (the reference);
+- `restore, sync device`: plain torch.cpu, where a piece copy runs inside
+  `_copy_to_device` on the scheduler thread (what every copy was before issue 22);
+- `restore, async device`: the simulated device with its device thread: the copy is
+  queued on the load stream and the scheduler moves on.
+
+Gaps are measured from B's prefetch start until B is staged (the streaming rounds);
+B is then admitted and checked bit-exact. Printed per run: gap p50/p99/max, the
+number of ticks, and the longest time the scheduler thread spent inside
+`_copy_to_device` in one tick. The last line is exactly
+
+  stall_p99_ms=A stall_max_ms=B piece_copy_on_scheduler_ms=C
+
+for the async-device run: A and B = its gap p99 and max minus the no-restore run's
+median gap (the extra wait a decoding request sees), C = the longest time the
+scheduler thread spent inside our copy in one tick. Not a test: numbers only.
+
+Example: nice -n 10 python benchmark/stall_bench.py --context 65536 --buffer 0.25
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from restore_bench import MODELS, PAGE, buffer_args, free_memory, host_budget, hybrid_spec, touch_host_pools  # noqa: E402
+
+A_CONTEXT = 512  # request A's prefix (resident), it decodes after that
+
+
+@dataclass
+class Run:
+    name: str
+    gaps: list[float] = field(default_factory=list)  # seconds, while B streams
+    copy_in_tick: list[float] = field(default_factory=list)  # seconds inside _copy_to_device per tick
+    exact: bool = True
+    pieces: int = 0
+
+    def pct(self, q: float) -> float:
+        g = sorted(self.gaps)
+        return g[min(len(g) - 1, int(q * len(g)))] if g else 0.0
+
+
+class Decoder:
+    """Request A's decode steps: a fixed forward workload + its next KV row."""
+
+    def __init__(self, st: Any, steps: int, decode_ms: float) -> None:
+        self.st = st
+        self.rows = st.allocator.alloc((A_CONTEXT + steps + PAGE) // PAGE * PAGE)
+        self.ids = [(i * 31) % 50_000 + 7 for i in range(len(self.rows))]
+        st.fill_kv(self.rows[:A_CONTEXT], self.ids[:A_CONTEXT], 0)
+        self.pos = A_CONTEXT
+        self.x = torch.randn(512, 512)
+        self.reps = max(1, calibrate(self.x, decode_ms))
+
+    def step(self) -> None:
+        y = self.x
+        for _ in range(self.reps):
+            y = torch.tanh(y @ self.x)
+        i = self.pos % len(self.rows)
+        self.st.fill_kv(self.rows[i : i + 1], self.ids[i : i + 1], self.pos)
+        self.pos += 1
+
+    def close(self) -> None:
+        self.st.allocator.free(self.rows)
+
+
+def calibrate(x: torch.Tensor, ms: float) -> int:
+    t0 = time.perf_counter()
+    n = 20
+    y = x
+    for _ in range(n):
+        y = torch.tanh(y @ x)
+    per = (time.perf_counter() - t0) / n
+    return int(ms / 1000 / per)
+
+
+def run(
+    name: str, spec: Any, store: str, seq: list[int], buffer_tokens: int, args: Any, *, restore: bool, device: str
+) -> Run:
+    import sglang_l3.patches.streamed_restore as sr
+    from sglang_l3.testing.sim import simulated_device
+    from sglang_l3.testing.stack import L3Stack
+
+    out = Run(name)
+    copy = sr._copy_to_device
+    tick_copy = [0.0]
+
+    def timed_copy(cc: Any, host: Any, rows: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return copy(cc, host, rows)
+        finally:
+            tick_copy[0] += time.perf_counter() - t0
+            out.pieces += 1
+
+    sim = simulated_device(args.seed, threaded=True) if device == "async" else None
+    if sim is not None:
+        sim.__enter__()
+    sr._copy_to_device = timed_copy
+    try:
+        with L3Stack(spec, store, server_args=buffer_args(spec, buffer_tokens), host_budget_bytes=host_budget()) as st:
+            cc = st.cache.cache_controller
+            cc.prefetch_capacity_limit = int(0.9 * cc.mem_pool_host.size)
+            st.check_forward_kv = False  # B is compared below, once
+            touch_host_pools(cc)
+            dec = Decoder(st, args.steps * (args.repeat + 1), args.decode_ms)
+            for r in range(args.repeat):
+                _one(st, dec, seq, out, tick_copy, restore=restore, steps=args.steps, rid=f"B{r}")
+            dec.close()
+            del st
+    finally:
+        sr._copy_to_device = copy
+        if sim is not None:
+            sim.__exit__(None, None, None)
+    free_memory()
+    return out
+
+
+def _one(st: Any, dec: Decoder, seq: list[int], out: Run, tick_copy: list, *, restore: bool, steps: int, rid: str):
+    cache = st.cache
+    bp = cache.buffer_pipeline
+    h = st.start_prefetch(seq, rid) if restore else None
+    last = time.perf_counter()
+    n = 0
+    deadline = time.monotonic() + 3600
+    while True:
+        tick_copy[0] = 0.0
+        cache.check_hicache_events()
+        staged = h is not None and cache.check_prefetch_progress(h) and bp.has_staged(h)
+        dec.step()
+        now = time.perf_counter()
+        if not staged:
+            out.gaps.append(now - last)
+            out.copy_in_tick.append(tick_copy[0])
+        last = now
+        n += 1
+        if (h is None and n >= steps) or staged:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError("B did not stage")
+    if h is None:
+        return
+    cache.pop_prefetch_loaded_tokens(h)
+    req, loaded = st.admit(h, seq, rid)
+    k, _ = st.expected_kv(seq)
+    out.exact = out.exact and loaded == len(seq) and bool(st.snapshot(st.match(seq).last_device_node, None).k.equal(k))
+    st.release(req)
+    st.evict_all()
+    st.settle()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=MODELS[0].name, choices=[m.name for m in MODELS])
+    ap.add_argument("--context", type=int, default=65536, help="tokens of request B's context in L3")
+    ap.add_argument("--buffer", type=float, default=0.25, help="host staging buffer as a fraction of B's context")
+    ap.add_argument("--decode-ms", type=float, default=20.0, help="request A's forward workload per token")
+    ap.add_argument("--steps", type=int, default=60, help="decode steps of the no-restore run per repeat")
+    ap.add_argument("--repeat", type=int, default=3, help="restores of B per run")
+    ap.add_argument("--seed", type=int, default=1, help="simulated device seed")
+    ap.add_argument("--dir", default=None, help="store directory (default: a temp dir, removed)")
+    args = ap.parse_args(argv)
+
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.disable(logging.WARNING)
+    import sglang_l3.cpu
+
+    sglang_l3.cpu.enable()
+    from sglang_l3.patches import framework
+
+    framework.apply_all([s for s in framework.load_series() if s.group in ("hicache", "storage")])
+    import sglang.srt.mem_cache.pool_host.base as host_base
+
+    host_base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 1 << 30  # the only process; see restore_bench
+    torch.set_num_threads(1)  # the copy engine and the scheduler each get one core
+
+    from sglang_l3.testing.stack import L3Stack
+
+    m = next(x for x in MODELS if x.name == args.model)
+    spec = hybrid_spec(m, args.context)
+    spec = replace(spec, kv_size=spec.kv_size + A_CONTEXT + args.steps * (args.repeat + 1) + 4 * PAGE)
+    buffer_tokens = int(args.context * args.buffer)
+    store = args.dir or tempfile.mkdtemp(prefix="stall-bench-")
+    seq = [(i * 7919) % 150_000 + 1 for i in range(args.context)]
+    try:
+        with L3Stack(
+            spec, store, server_args=buffer_args(spec, args.context // 4), host_budget_bytes=host_budget()
+        ) as w:
+            w.write(seq, marker=2.0)
+            w.settle(timeout=3600)
+        free_memory()
+        runs = [
+            run("no restore", spec, store, seq, buffer_tokens, args, restore=False, device="sync"),
+            run("restore, sync device", spec, store, seq, buffer_tokens, args, restore=True, device="sync"),
+            run("restore, async device", spec, store, seq, buffer_tokens, args, restore=True, device="async"),
+        ]
+    finally:
+        if args.dir is None:
+            shutil.rmtree(store, ignore_errors=True)
+
+    piece = int(buffer_tokens * 0.4) // PAGE * PAGE
+    print(
+        f"# {m.name} one TP=2 rank: B = {args.context} tokens in L3, host buffer {buffer_tokens} tokens "
+        f"(pieces of ~{piece} tokens, {piece * m.kv_bytes_per_token() / 2**20:.0f} MiB), A decodes with "
+        f"~{args.decode_ms:g} ms of forward work per token; {args.repeat} restores per run; torch threads 1"
+    )
+    print(
+        f"{'run':24s} {'ticks':>6s} {'gap_p50_ms':>10s} {'gap_p99_ms':>10s} {'gap_max_ms':>10s} "
+        f"{'copy_on_sched_max_ms':>20s} {'pieces':>6s} {'exact':>5s}"
+    )
+    for r in runs:
+        print(
+            f"{r.name:24s} {len(r.gaps):6d} {1e3 * statistics.median(r.gaps):10.1f} {1e3 * r.pct(0.99):10.1f} "
+            f"{1e3 * max(r.gaps):10.1f} {1e3 * max(r.copy_in_tick, default=0.0):20.2f} {r.pieces:6d} {str(r.exact):>5s}"
+        )
+    base = statistics.median(runs[0].gaps)
+    a = runs[2]
+    print(
+        f"stall_p99_ms={1e3 * (a.pct(0.99) - base):.1f} stall_max_ms={1e3 * (max(a.gaps) - base):.1f} "
+        f"piece_copy_on_scheduler_ms={1e3 * max(a.copy_in_tick, default=0.0):.2f}"
+    )
+    return 0 if all(r.exact for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The simulated asynchronous device (`sglang_l3.cpu.sim_streams`): queue order,
+events as queue positions, waits from the default stream drain, waits from another
+stream queue barriers, seeded polls, DMA-like deferred transfers, and the patch
+`cpu-sim-streams` that installs it only when asked."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from sglang_l3.cpu import sim_streams as sim
+
+
+@pytest.fixture
+def dev():
+    sim.install(seed=7)
+    try:
+        yield sim
+    finally:
+        sim.uninstall()
+
+
+def _log_op(log: list, tag: str):
+    return lambda: log.append(tag)
+
+
+def test_default_stream_runs_at_once_other_streams_queue(dev) -> None:
+    log: list = []
+    s = torch.cpu.Stream()
+    assert isinstance(s, sim.SimStream) and torch.cpu.current_stream().default
+    sim.enqueue(_log_op(log, "default"))
+    assert log == ["default"]
+    with torch.cpu.stream(s):
+        assert torch.cpu.current_stream() is s
+        sim.enqueue(_log_op(log, "a"), "a")
+        sim.enqueue(_log_op(log, "b"), "b")
+    assert log == ["default"] and s.pending() == ["a", "b"] and not s.query()
+    s.synchronize()
+    assert log == ["default", "a", "b"] and s.query() and s.pending() == []
+
+
+def test_event_marks_a_queue_position(dev) -> None:
+    log: list = []
+    s = torch.cpu.Stream()
+    s.enqueue(_log_op(log, 1))
+    ev = torch.cpu.Event()
+    ev.record(s)
+    s.enqueue(_log_op(log, 2))
+    assert not ev.done()
+    ev.synchronize()
+    assert log == [1] and ev.done() and s.pending() == ["work"]
+    # An event never recorded is complete (as on CUDA).
+    assert torch.cpu.Event().query()
+    # Recording on the default stream marks work already done.
+    ev2 = torch.cpu.Event()
+    ev2.record()
+    assert ev2.done()
+
+
+def test_wait_from_default_stream_drains(dev) -> None:
+    log: list = []
+    s = torch.cpu.Stream()
+    s.enqueue(_log_op(log, 1))
+    ev = s.record_event()
+    s.enqueue(_log_op(log, 2))
+    torch.cpu.current_stream().wait_event(ev)
+    assert log == [1]
+    torch.cpu.current_stream().wait_stream(s)
+    assert log == [1, 2]
+
+
+def test_wait_from_another_stream_queues_a_barrier(dev) -> None:
+    log: list = []
+    load, fwd = torch.cpu.Stream(), torch.cpu.Stream()
+    load.enqueue(_log_op(log, "copy"))
+    ev = load.record_event()
+    load.enqueue(_log_op(log, "later copy"))
+    fwd.wait_event(ev)  # queued: nothing runs yet
+    fwd.enqueue(_log_op(log, "read"))
+    assert log == [] and fwd.pending() == ["barrier", "work"]
+    fwd.synchronize()  # the barrier drains the load stream up to the event only
+    assert log == ["copy", "read"] and load.pending() == ["work"]
+    # wait_stream: everything queued on `load` so far, not what comes after.
+    fwd.wait_stream(load)
+    load.enqueue(_log_op(log, "after"))
+    fwd.enqueue(_log_op(log, "read2"))
+    fwd.synchronize()
+    assert log == ["copy", "read", "later copy", "read2"] and load.pending() == ["work"]
+
+
+def test_device_synchronize_drains_every_stream(dev) -> None:
+    log: list = []
+    streams = [torch.cpu.Stream() for _ in range(3)]
+    for i, s in enumerate(streams):
+        s.enqueue(_log_op(log, i))
+    torch.cpu.synchronize()
+    assert sorted(log) == [0, 1, 2] and not sim.pending()
+
+
+def _polls(seed: int, n: int = 40) -> list[bool]:
+    sim.install(seed=seed)
+    try:
+        out = []
+        s = torch.cpu.Stream()
+        for _ in range(n):
+            s.enqueue(lambda: None)
+            out.append(s.record_event().query())
+        return out
+    finally:
+        sim.uninstall()
+
+
+def test_query_completes_with_a_seeded_probability() -> None:
+    a, b = _polls(1), _polls(1)
+    assert a == b, "the same seed gives the same polls"
+    assert any(a) and not all(a), "some polls lag, some complete"
+    assert _polls(2) != a, "another seed, another run"
+
+
+def test_query_extremes() -> None:
+    for p, expect in ((0.0, False), (1.0, True)):
+        sim.install(seed=0, p_complete=p)
+        try:
+            s = torch.cpu.Stream()
+            s.enqueue(lambda: None)
+            ev = s.record_event()
+            assert [ev.query() for _ in range(20)] == [expect] * 20
+            ev.synchronize()
+            assert ev.query()
+        finally:
+            sim.uninstall()
+
+
+def test_current_stream_is_per_thread(dev) -> None:
+    s = torch.cpu.Stream()
+    seen: list = []
+    with torch.cpu.stream(s):
+        t = threading.Thread(target=lambda: seen.append(torch.cpu.current_stream()))
+        t.start()
+        t.join()
+        assert torch.cpu.current_stream() is s
+    assert seen[0].default and torch.cpu.current_stream().default
+
+
+def test_deferred_copies_indices_at_issue_and_data_by_reference(dev) -> None:
+    src = torch.arange(8, dtype=torch.float32)
+    dst = torch.zeros(8)
+
+    def copy(dst_t, src_t, idx):
+        dst_t[idx] = src_t[idx]
+
+    qcopy = sim.deferred(copy, "copy")
+    idx = torch.tensor([1, 2])
+    s = torch.cpu.Stream()
+    with torch.cpu.stream(s):
+        qcopy(dst, src, idx)
+    idx[:] = torch.tensor([5, 6])  # the caller reuses its index tensor
+    src[1] = 100.0  # the source changes before the DMA runs
+    assert dst.sum() == 0 and s.pending() == ["copy"]
+    s.synchronize()
+    assert dst[1] == 100.0 and dst[2] == 2.0 and dst[5] == 0 and dst[6] == 0
+    qcopy(dst, src, torch.tensor([7]))  # the default stream: at once
+    assert dst[7] == 7.0
+
+
+def test_uninstall_drains_and_restores_torch_cpu() -> None:
+    before = torch.cpu.Stream, torch.cpu.Event, torch.cpu.current_stream
+    sim.install(seed=3)
+    log: list = []
+    torch.cpu.Stream().enqueue(_log_op(log, "x"))
+    sim.uninstall()
+    assert log == ["x"]
+    assert (torch.cpu.Stream, torch.cpu.Event, torch.cpu.current_stream) == before
+    assert not sim.installed()
+
+
+def test_patch_applies_only_when_asked(monkeypatch) -> None:
+    from sglang_l3.patches import cpu_sim_streams
+
+    monkeypatch.delenv("SGLANG_L3_SIM_STREAMS", raising=False)
+    assert "not set" in (cpu_sim_streams.applicable() or "")
+    monkeypatch.setenv("SGLANG_L3_SIM_STREAMS", "seven")
+    with pytest.raises(ValueError, match="integer seed"):
+        cpu_sim_streams.applicable()
+
+
+def test_simulated_device_queues_host_pool_transfers() -> None:
+    """Through the patch: a host-pool load on a side stream is queued, runs at sync."""
+    from sglang_l3.testing.sim import simulated_device
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    plain = MHATokenToKVPoolHost.load_to_device_per_layer
+    with simulated_device(5):
+        assert sim.installed() and MHATokenToKVPoolHost.load_to_device_per_layer is not plain
+        assert sim.stats()["seed"] == 5
+    assert not sim.installed() and MHATokenToKVPoolHost.load_to_device_per_layer is plain
+
+
+def test_threaded_device_runs_queued_work_by_itself() -> None:
+    """Threaded mode (the stall benchmark's copy engine): work queued on a side stream
+    completes without anyone waiting, in issue order, barriers included; waits from
+    the default stream block until the device thread got there."""
+    import time
+
+    sim.install(seed=0, threaded=True)
+    try:
+        log: list = []
+        gate = threading.Event()
+        load, fwd = torch.cpu.Stream(), torch.cpu.Stream()
+        load.enqueue(lambda: (gate.wait(30), log.append("copy")))
+        ev = load.record_event()
+        fwd.wait_event(ev)
+        fwd.enqueue(lambda: log.append("read"))
+        assert not ev.query() and log == []  # the copy is held: nothing ran out of order
+        gate.set()
+        deadline = time.monotonic() + 30
+        while not ev.query() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert ev.query()
+        torch.cpu.current_stream().wait_stream(fwd)
+        assert log == ["copy", "read"]
+    finally:
+        sim.uninstall()
+    assert not sim.installed()
