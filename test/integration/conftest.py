@@ -42,8 +42,9 @@ SIM_FILES = {
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "all_seeds(**params): run under every simulated-device seed (only the parameter sets "
-        "whose values are in the given tuples; no arguments: all of them), not the first seed only",
+        "all_seeds(**params): run under every simulated-device seed, not the first seed only; "
+        "with params, only the parameter sets whose values are in the given tuples (a test "
+        "without that parameter is not constrained by it)",
     )
 
 
@@ -57,7 +58,7 @@ def _all_seeds(item: pytest.Item) -> bool:
     if mark is None:
         return False
     params = getattr(getattr(item, "callspec", None), "params", {})
-    return all(params.get(k) in v for k, v in mark.kwargs.items())
+    return all(k not in params or params[k] in v for k, v in mark.kwargs.items())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

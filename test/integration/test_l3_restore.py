@@ -13,6 +13,10 @@ import pytest
 
 from sglang_l3.testing.stack import HybridSpec, L3Stack
 
+# Under every simulated-device seed (test/integration/conftest.py); the second seed
+# only at page sizes 4 and 64 (suite time).
+pytestmark = pytest.mark.all_seeds(page_size=(4, 64))
+
 PAGE_SIZES = (1, 4, 64, 128)
 TREE_CORES = ("rust", "python")
 
@@ -79,3 +83,39 @@ def test_closed_stack_leaves_no_store_threads(tmp_path) -> None:
     while writers() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert writers() == before, f"{writers() - before} session writer thread(s) left behind"
+
+
+@pytest.mark.parametrize("fenced", (True, False))
+def test_a_forward_in_flight_lands_before_the_load_back(tmp_path, fenced: bool) -> None:
+    """The harness's forward-stream checks on upstream's own load-back (simulated device):
+    a forward still writing rows that were freed (overlap scheduling) is ordered before
+    the load-back by upstream's fence (`load_fence_stream`, wired as the scheduler wires
+    it); without the fence (control) the forward-time read of the restored rows catches
+    the corruption before the ack."""
+    from sglang_l3.cpu import sim_streams
+    from sglang_l3.testing.stack import RestoreFailed
+
+    assert sim_streams.installed()
+    with L3Stack(HybridSpec(page_size=4), str(tmp_path)) as st:
+        seq = _seq(4, pages=16)
+        want = st.write(seq, marker=3.0)
+        st.evict_all()
+        st.scribble()
+        if not fenced:
+            st.cache.cache_controller.load_fence_stream = None
+        freed = st.inflight_forward_write_then_free()
+        assert "forward-write" in st.forward_stream.pending()
+        h, loaded = st.prefetch(seq, "inflight")
+        assert loaded == len(seq)
+        # The copy engine runs the load-back before the forward stream gets there.
+        if not fenced:
+            with pytest.raises(RestoreFailed, match="forward pass read wrong KV"):
+                st.admit(h, seq, "inflight", loads_first=True)
+            return
+        req, n = st.admit(h, seq, "inflight", loads_first=True)
+        rows = set(st.cache.path_device_indices(st.match(seq).last_device_node).tolist())
+        assert rows <= set(freed.tolist()), "the restore must land in rows the forward still wrote"
+        st.check_restored(seq, req, n, want, kv=True)
+        st.release(req)
+        st.evict_all()
+        assert st.pool_sizes() == st.baseline

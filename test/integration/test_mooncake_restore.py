@@ -24,6 +24,9 @@ from sglang_l3.patches import framework
 from sglang_l3.testing import mooncake as mc
 from sglang_l3.testing.stack import HybridSpec, L3Stack, RestoreFailed
 
+# Cheap: every test runs under every simulated-device seed (test/integration/conftest.py).
+pytestmark = pytest.mark.all_seeds()
+
 PAGE_SIZES = (1, 64)
 
 

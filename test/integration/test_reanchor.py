@@ -19,6 +19,10 @@ from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import HybridSpec, L3Stack
 from sglang_l3.patches.reanchor import ReanchorViolation, record_of
 
+# Under every simulated-device seed (test/integration/conftest.py); the second seed
+# only at page size 4 (suite time).
+pytestmark = pytest.mark.all_seeds(stack=(4,))
+
 EXTRA = [90001, 90002, 90003, 90004]
 
 

@@ -16,6 +16,10 @@ from sglang_l3.session_hints import DEFERRED_DEVICE_FULL, hint_rid
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
 
+# Under every simulated-device seed (test/integration/conftest.py); the second seed
+# only on the Rust tree core (suite time).
+pytestmark = pytest.mark.all_seeds(core=("rust",))
+
 A = list(range(1, 277))  # 276 tokens + 1 output token: 277 of the 512-row device pool
 B = list(range(2000, 2300))  # 300 tokens + 1: fits only by evicting most of A
 KV_ROWS = 512

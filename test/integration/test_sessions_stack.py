@@ -15,6 +15,10 @@ from sglang_l3.storage.format import parse_page_name
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
 
+# Under every simulated-device seed (test/integration/conftest.py); the second seed
+# only on the Rust tree core (suite time).
+pytestmark = pytest.mark.all_seeds(core=("rust",))
+
 SEQ = list(range(1, 277))  # 276 tokens; page size 1 (one L3 page per token and pool)
 
 

@@ -84,6 +84,7 @@ def run_recipe(page_size: int, tree_core: str, tmp_path) -> torch.Tensor:
         return state
 
 
+@pytest.mark.all_seeds(page_size=(4,), tree_core=("rust",))
 @pytest.mark.parametrize("tree_core", ["rust", "python"])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_no_stale_cow_after_device_hit_loss(tmp_path, page_size: int, tree_core: str) -> None:

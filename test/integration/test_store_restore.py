@@ -93,6 +93,7 @@ def test_corrupt_mamba_state_falls_back_to_recompute(tmp_path):
     _damage_and_heal(tmp_path, _flip_last_byte, "checksum", "mamba")
 
 
+@pytest.mark.all_seeds()
 def test_corrupt_kv_page_mid_chain_falls_back_to_recompute(tmp_path):
     _damage_and_heal(tmp_path, _flip_last_byte, "checksum", "kv", which=1)
 
@@ -117,6 +118,7 @@ def test_foreign_page_falls_back_to_recompute(tmp_path):
         assert be.counters().get("quarantined_identity") == 1
 
 
+@pytest.mark.all_seeds()
 def test_damaged_page_from_a_previous_run_after_restart(tmp_path):
     seq = _seq()
     with L3Stack(HybridSpec(page_size=PS), str(tmp_path)) as producer:

@@ -67,6 +67,7 @@ def context(st_spec: HybridSpec, times: int, start: int = 11) -> list[int]:
     return list(range(start, start + n))
 
 
+@pytest.mark.all_seeds(times=(2, 8), page_size=(64,))
 @pytest.mark.parametrize("core", TREE_CORES)
 @pytest.mark.parametrize("page_size", (1, 64))
 @pytest.mark.parametrize("times", (2, 8, 30))
@@ -104,6 +105,7 @@ def test_without_patch_8x_restores_nothing(tmp_path, without) -> None:
         back_to_baseline(st)
 
 
+@pytest.mark.all_seeds(core=("rust",))
 @pytest.mark.parametrize("core", TREE_CORES)
 def test_abort_mid_stream_and_when_staged(tmp_path, core: str) -> None:
     spec = make_spec(64, 8 * (BUFFER + 64))
@@ -143,6 +145,7 @@ def kv_page_path(st: L3Stack, page_hash: str) -> str:
     return backend.store.path_of(page_hash, backend._specs[name])
 
 
+@pytest.mark.all_seeds(core=("rust",))
 @pytest.mark.parametrize("core", TREE_CORES)
 def test_store_read_failing_in_piece_k(tmp_path, core: str) -> None:
     spec = make_spec(64, 8 * (BUFFER + 64))
@@ -179,6 +182,7 @@ def test_store_read_failing_in_piece_k(tmp_path, core: str) -> None:
         back_to_baseline(st, req)
 
 
+@pytest.mark.all_seeds(core=("rust",))
 @pytest.mark.parametrize("core", TREE_CORES)
 def test_two_streams_through_one_buffer(tmp_path, core: str) -> None:
     spec = make_spec(64, 8 * (BUFFER + 64))
@@ -215,6 +219,7 @@ def test_two_streams_through_one_buffer(tmp_path, core: str) -> None:
         back_to_baseline(st, req)
 
 
+@pytest.mark.all_seeds(core=("python",))
 @pytest.mark.parametrize("core", TREE_CORES)
 def test_users_case_through_real_admission(tmp_path, core: str) -> None:
     """The issue's server case on the real admission path (`SchedulerHarness`:
@@ -260,6 +265,7 @@ def test_users_case_through_real_admission(tmp_path, core: str) -> None:
         assert not lane_of(st.cache.buffer_pipeline).streams
 
 
+@pytest.mark.all_seeds(credit=(True,))
 @pytest.mark.parametrize("credit", [True, False])
 def test_tight_device_pool_admits_with_the_row_credit(tmp_path, credit: bool) -> None:
     """Device pool 2560, context 1792: R (1536 rows) is allocated while streaming,

@@ -67,6 +67,7 @@ def pressure(st: L3Stack) -> None:
     st.allocator.free(other)
 
 
+@pytest.mark.all_seeds(core=("rust",))
 @pytest.mark.parametrize("core", TREE_CORES)
 @pytest.mark.parametrize("pinned", (True, False))
 def test_eviction_mid_stream(tmp_path, monkeypatch, core: str, pinned: bool) -> None:
@@ -119,6 +120,7 @@ def test_eviction_mid_stream(tmp_path, monkeypatch, core: str, pinned: bool) -> 
         back_to_baseline(st, req)
 
 
+@pytest.mark.all_seeds(core=("rust",), policy=("timeout",))
 @pytest.mark.parametrize("core", TREE_CORES)
 @pytest.mark.parametrize("policy", ("best_effort", "timeout", "wait_complete"))
 def test_stop_policy_applies_to_the_stream(tmp_path, monkeypatch, core: str, policy: str) -> None:
@@ -170,6 +172,7 @@ def test_stop_policy_applies_to_the_stream(tmp_path, monkeypatch, core: str, pol
         back_to_baseline(st)
 
 
+@pytest.mark.all_seeds(core=("python",))
 @pytest.mark.parametrize("core", TREE_CORES)
 def test_unpinned_base_evicted_after_staging(tmp_path, monkeypatch, core: str) -> None:
     """The stream staged (R private, last piece in the host bounce), then J (unpinned,

@@ -34,6 +34,7 @@ def _all_or_nothing(orig):
     return fit
 
 
+@pytest.mark.all_seeds(core=("rust",), page=(64,))
 @pytest.mark.parametrize("core", TREE_CORES)
 @pytest.mark.parametrize("page", (1, 64))
 @pytest.mark.parametrize(

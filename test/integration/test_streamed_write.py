@@ -83,6 +83,7 @@ def restore_big(tmp_path, page_size: int, core: str, seq: list[int], want) -> in
         return loaded
 
 
+@pytest.mark.all_seeds(core=("rust",), page_size=(64,))
 @pytest.mark.parametrize("core", TREE_CORES)
 @pytest.mark.parametrize("page_size", (1, 64))
 def test_context_8x_buffer_fully_written(tmp_path, page_size: int, core: str) -> None:

@@ -22,6 +22,10 @@ from sglang_l3.metrics import store_counters
 
 import torch
 
+# Under every simulated-device seed (test/integration/conftest.py); the second seed
+# only on the Rust tree core (suite time).
+pytestmark = pytest.mark.all_seeds(core=("rust",))
+
 
 @pytest.fixture(params=TREE_CORES)
 def core(request) -> str:

@@ -290,6 +290,14 @@ def pending() -> dict[SimStream, list[str]]:
         return {s: s.pending() for s in list(d.busy)}
 
 
+def chance() -> bool:
+    """A seeded coin (the poll's completion probability): lets a harness pick one of
+    the orders a real device may run its streams in."""
+    d = _dev()
+    with d.lock:
+        return d.rng.random() < d.p_complete
+
+
 def installed() -> bool:
     return _DEV is not None
 

@@ -99,6 +99,18 @@ def _on_stream(fn: Callable[[], None], what: str = "forward-read") -> None:
         fn()
 
 
+def _sim_active() -> bool:
+    from sglang_l3.cpu import sim_streams
+
+    return sim_streams.installed()
+
+
+def sim_chance() -> bool:
+    from sglang_l3.cpu import sim_streams
+
+    return sim_streams.chance()
+
+
 def _req_mamba_slot(req: Any) -> Optional[int]:
     idx = getattr(req.kv, "mamba_pool_idx", None)
     return None if idx is None else int(torch.as_tensor(idx).reshape(-1)[0])
@@ -462,7 +474,7 @@ class L3Stack:
                 out.kv.append((local, 0))
                 return
             want_k, want_v = self._expected_kv_at(token_ids, positions, local)
-            bad = (k[rows] != want_k).reshape(len(rows), -1).any(1) | (v[rows] != want_v).reshape(len(rows), -1).any(1)
+            bad = (k[rows] != want_k).flatten(1).any(1) | (v[rows] != want_v).flatten(1).any(1)
             out.kv.append((local, int(bad.sum())))
 
         def read_mamba(i: int, layer: int) -> None:
@@ -600,8 +612,11 @@ class L3Stack:
         h, _ = self.prefetch(seq, rid)
         return self.admit(h, seq, rid)
 
-    def admit(self, h: Any, seq: list[int], rid: str) -> tuple[Any, int]:
-        """Admission of a staged prefetch (handle `h`): prepare → init_load_back → ack."""
+    def admit(self, h: Any, seq: list[int], rid: str, *, loads_first: Optional[bool] = None) -> tuple[Any, int]:
+        """Admission of a staged prefetch (handle `h`): prepare → init_load_back → the
+        batch's forward (reads behind the per-layer waits, checked) → ack. On the simulated
+        device the load stream may run ahead of the forward stream (a copy engine that got
+        there first): `loads_first`, or a seeded coin when None."""
         from sglang.srt.managers.schedule_policy import PrefillAdder
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
@@ -626,6 +641,8 @@ class L3Stack:
         loaded_len, node = loaded
         req.last_node = node  # what PrefillAdder.add_one_req does with the result
         consumer = self.cache.ready_to_load_host_cache()
+        if _sim_active() and (sim_chance() if loads_first is None else loads_first):
+            self.cache.cache_controller.l2_transfer_engine.host_to_device_stream.synchronize()
         # The batch's forward pass runs before the ack is seen: it reads the restored rows
         # and states behind upstream's per-layer waits only.
         rows = self.cache.path_device_indices(node)
