@@ -168,6 +168,12 @@ def test_pinned_total_of_all_ranks() -> None:
     assert "HSA_USERPTR_FOR_PAGED_MEM=0" in line and "17.2 GB of GTT is free" in line, line
     assert "Fix: unset HSA_USERPTR_FOR_PAGED_MEM" in line and "scale 0.800" in line, line
     check(8 * GiB, 2, gtt_free=16 * GiB, fix=fix, **kw)
+    # under the reserve nothing fits, whatever the size: the fix is free memory, not a size
+    with pytest.raises(startup_checks.StartupCheckError) as e:
+        check(2 * 10**6, 1, gtt_free=None, fix=fix, available=9 * GiB, reserve=10 * GiB, setting="--hicache-ratio 2")
+    line = e.value.message
+    assert "2.0 MB (1 x 2.0 MB" in line and "less than HiCache's fixed 10 GiB reserve" in line, line
+    assert "Fix: free host memory" in line and "scale" not in line, line
 
 
 def test_fixes_name_values_that_fit() -> None:

@@ -279,24 +279,34 @@ def check_pinned_total(
     share. `fix(scale)` names the setting scaled by `scale` (< 1), which fits."""
     total = per_rank * ranks
     what = (
-        f"the HiCache host pools of the {ranks} rank(s) on this host take {total / 1e9:.1f} GB "
-        f"({ranks} x {per_rank / 1e9:.1f} GB, host KV + Mamba)"
+        f"the HiCache host pools of the {ranks} rank(s) on this host take {_size(total)} "
+        f"({ranks} x {_size(per_rank)}, host KV + Mamba)"
     )
     room = available - reserve
+    if room <= 0:
+        raise _fail(
+            f"{setting}: {what}, but only {_size(available)} of host memory is available, less than "
+            f"HiCache's fixed {reserve / GiB:.0f} GiB reserve (`host_memory_budget_bytes`), so no host "
+            f"pool can be allocated, whatever its size. Fix: free host memory (more than "
+            f"{reserve / GiB:.0f} GiB available) or run without --enable-hierarchical-cache."
+        )
     if total > room:
         raise _fail(
-            f"{setting}: {what}, but only {max(room, 0) / 1e9:.1f} GB of host memory is available "
-            f"beyond HiCache's {reserve / GiB:.0f} GiB reserve ({available / 1e9:.1f} GB available; "
-            f"upstream books every pool against it, `host_memory_budget_bytes`). "
-            f"Fix: {fix(max(room, 0) / total)}."
+            f"{setting}: {what}, but only {_size(room)} of host memory is available beyond HiCache's "
+            f"{reserve / GiB:.0f} GiB reserve ({_size(available)} available; upstream books every pool "
+            f"against it, `host_memory_budget_bytes`). Fix: {fix(room / total)}."
         )
     if gtt_free is not None and total > gtt_free:
         raise _fail(
             f"{setting}: {what}; with {_USERPTR_ENV}=0 they are GTT memory (hipHostMalloc), which the ranks "
-            f"share, and only {gtt_free / 1e9:.1f} GB of GTT is free (mem_info_gtt_total - "
+            f"share, and only {_size(gtt_free)} of GTT is free (mem_info_gtt_total - "
             f"mem_info_gtt_used). Fix: unset {_USERPTR_ENV} (pools pinned with hipHostRegister, from "
             f"host RAM), or {fix(gtt_free / total)}."
         )
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def _hybrid_host_bytes(params: Any, ratio: float) -> int | None:
