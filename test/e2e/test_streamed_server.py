@@ -1,12 +1,13 @@
 """Issue 11 through the real CPU server: a conversation whose context is several
 times the host staging buffer is written to L3 and comes back from it.
 
-Two servers, one after the other: a reference server without any cache, and a
-buffer-only L3 server whose host buffer (`--hicache-ratio`) is ~1/5 of the last
-turn's prompt. The conversation grows 600 -> 1200 -> 1800 tokens; after
-`/flush_cache` the last turn's prompt must come back from L3 (cached_storage =
-the restorable prefix, nothing from device or host) with the same tokens and
-logprobs as the no-cache server. Without the streamed patches the same run
+Two servers, one after the other: a reference server without any cache (and
+without overlap scheduling), and a buffer-only L3 server (overlap scheduling on)
+whose host buffer (`--hicache-ratio`) is ~1/5 of the last turn's prompt. The
+conversation grows 600 -> 1200 -> 1800 tokens; after `/flush_cache` the last
+turn's prompt must come back from L3 (cached_storage = the restorable prefix,
+nothing from device or host) with the same tokens and logprobs as the no-cache
+server. Without the streamed patches the same run
 restores 0 tokens (the write is dropped and the hit declined; see
 test/integration/test_streamed_{write,restore}.py for in-process negative
 controls).
@@ -65,7 +66,9 @@ def test_conversation_4x_host_buffer_restores_from_l3(tmp_path) -> None:
         "page_size": PAGE_SIZE,
         "chunked_prefill_size": 256,
     }
-    ref_cfg = ServerConfig(storage_dir=None, **base)
+    # the reference without overlap scheduling: the L3 server (overlap on, the launcher's
+    # default and the user's) must match a plain, sequentially scheduled server
+    ref_cfg = ServerConfig(storage_dir=None, overlap_schedule=False, **base)
     with Server(ref_cfg, tmp_path / "nocache.log", startup_timeout=STARTUP_TIMEOUT) as ref:
         ref_turns = _conversation(ref)
     last, want = ref_turns[-1]

@@ -2,8 +2,10 @@
 same thing, always.
 
 Servers, in file order (each started once, shared by the tests that follow):
-1. `plain`: TP=2 without any cache: the reference answers (with `--load-format
-   dummy`, TP=1 and TP=2 are different models, so TP=2 is compared with TP=2);
+1. `plain`: TP=2 without any cache and without overlap scheduling: the reference
+   answers (with `--load-format dummy`, TP=1 and TP=2 are different models, so
+   TP=2 is compared with TP=2); every other server schedules with overlap, as the
+   user's serve command does;
 2. `main`: TP=2, buffer-only HiCache over the file L3 store, SGLANG_L3_VERIFY=1
    (every restore decision is all-gathered and compared across the ranks):
    P -> flush -> P, asymmetric damage to one rank's page files (rank 1, then
@@ -98,6 +100,7 @@ class TP2:
             page_size=PAGE_SIZE,
             prefetch_threshold=PREFETCH_THRESHOLD if store else None,
             env={"SGLANG_L3_VERIFY": "1", **(env or {})},
+            overlap_schedule=store,  # the no-cache reference schedules without overlap
         )
         try:
             s = Server(cfg, self.root / f"{name}.log", startup_timeout=STARTUP_TIMEOUT).start()

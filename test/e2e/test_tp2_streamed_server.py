@@ -5,10 +5,11 @@
 SGLANG_L3_VERIFY=1 all-gathers every restore decision and compares them).
 
 Two TP=2 servers, one after the other (two do not fit two shared cores): a
-reference without any cache, then a buffer-only L3 server whose host buffer
-(`--hicache-ratio`) is < 1/4 of the prompt. The restored answer must match the
-reference's tokens and logprobs (TP=2 vs TP=2: `--load-format dummy` makes TP=1
-and TP=2 different models). Without `streamed-restore` the same run restores 0
+reference without any cache (and without overlap scheduling), then a buffer-only
+L3 server (overlap scheduling on) whose host buffer (`--hicache-ratio`) is < 1/4
+of the prompt. The restored answer must match the reference's tokens and
+logprobs (TP=2 vs TP=2: `--load-format dummy` makes TP=1 and TP=2 different
+models). Without `streamed-restore` the same run restores 0
 (the hit is declined: test/integration/test_streamed_restore.py's control).
 """
 
@@ -43,6 +44,7 @@ def _config(tmp_path, store: bool) -> ServerConfig:
         storage_extra_config={"prefetch_timeout_base": 600} if store else {},
         extra_args=["--hicache-ratio", str(HICACHE_RATIO)] if store else [],
         env={"SGLANG_L3_VERIFY": "1"},
+        overlap_schedule=store,  # the no-cache reference schedules without overlap
     )
 
 

@@ -1,9 +1,11 @@
 """Start, talk to and stop a real `python -m sglang.launch_server` serving the
 packaged tiny Qwen3-Next (used by `python -m sglang_l3.testing.demo_server` and test/e2e).
 
-Nothing here changes the server's behaviour: it builds the command line, waits
-for the server to be ready, sends HTTP requests with input ids
-(--skip-tokenizer-init) and reads what the server reports.
+Nothing here changes the server's behaviour: it builds the command line (overlap
+scheduling on, upstream's default and the user's, unless
+`ServerConfig(overlap_schedule=False)`), waits for the server to be ready, sends
+HTTP requests with input ids (--skip-tokenizer-init) and reads what the server
+reports.
 
 Upstream's test launcher (`sglang.test.test_utils:popen_launch_server`) does not
 fit: it starts `sglang serve` and polls `/health_generate`, which runs a
@@ -95,6 +97,8 @@ class ServerConfig:
     page_size: int | None = None
     prefetch_threshold: int | None = None
     tp_size: int = 1  # --tp-size; on CPU each rank is a process (gloo, patch cpu-tp-gloo)
+    # upstream's default, as the user serves; False passes --disable-overlap-schedule
+    overlap_schedule: bool = True
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -131,8 +135,9 @@ class ServerConfig:
             str(self.max_mamba_cache_size),
             "--mamba-radix-cache-strategy",
             "extra_buffer",
-            "--disable-overlap-schedule",
         ]
+        if not self.overlap_schedule:
+            a.append("--disable-overlap-schedule")
         if self.max_total_tokens is not None:
             a += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.device == "cpu":
