@@ -121,6 +121,7 @@ class ServerConfig:
     model's tokenizer (and processor) so text, chat and images can be sent."""
 
     model: str = DEFAULT_MODEL
+    skip_tokenizer_init: bool = True
     storage_dir: str | None = None  # None (and backend "file"): no HiCache at all
     # --hicache-storage-backend; "mooncake" joins the store named by storage_extra_config
     # (e.g. sglang_l3.testing.mooncake.MooncakeCluster.extra_config()), no storage_dir needed
@@ -134,7 +135,6 @@ class ServerConfig:
     page_size: int | None = None
     prefetch_threshold: int | None = None
     tp_size: int = 1  # --tp-size; on CPU each rank is a process (gloo, patch cpu-tp-gloo)
-    skip_tokenizer_init: bool = True
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
