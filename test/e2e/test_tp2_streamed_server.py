@@ -4,12 +4,13 @@
 (piece completion and the stream's start decision MIN-reduced across the ranks;
 SGLANG_L3_VERIFY=1 all-gathers every restore decision and compares them).
 
-Two TP=2 servers, one after the other (two do not fit two shared cores): a
-reference without any cache (and without overlap scheduling), then a buffer-only
-L3 server (overlap scheduling on) whose host buffer (`--hicache-ratio`) is < 1/4
-of the prompt. The restored answer must match the reference's tokens and
-logprobs (TP=2 vs TP=2: `--load-format dummy` makes TP=1 and TP=2 different
-models). Without `streamed-restore` the same run restores 0
+For each model family (tiny Qwen3-Next; tiny Qwen3.5 text-only, whose Gated-DeltaNet
+input takes the contiguous split): two TP=2 servers, one after the other (two do
+not fit two shared cores): a reference without any cache (and without overlap
+scheduling), then a buffer-only L3 server (overlap scheduling on) whose host buffer
+(`--hicache-ratio`) is < 1/4 of the prompt. The restored answer must match the
+reference's tokens and logprobs (TP=2 vs TP=2: `--load-format dummy` makes TP=1
+and TP=2 different models). Without `streamed-restore` the same run restores 0
 (the hit is declined: test/integration/test_streamed_restore.py's control).
 """
 
@@ -18,11 +19,12 @@ from __future__ import annotations
 import re
 
 import pytest
-from l3_e2e import CHUNKED_PREFILL, PAGE_SIZE, PREFETCH_THRESHOLD, STARTUP_TIMEOUT, restorable
+from l3_e2e import CHUNKED_PREFILL, PAGE_SIZE, PREFETCH_THRESHOLD, STARTUP_TIMEOUT, family_params, restorable
 from sglang_l3.testing.server import Server, ServerConfig, prompt
 from tp2_e2e import DEVICE, TEST_BOUND, TP, bounded, flush, generate, same_output
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # two TP=2 servers: minutes on CPU
+# two TP=2 servers per family: minutes on CPU
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, family_params("qwen3next", "qwen35-text")]
 
 POOL = 4096
 HICACHE_RATIO = 0.09  # host KV pool ~ 0.09 x 4096 = 384 tokens (page-rounded)
@@ -31,8 +33,9 @@ IDS = prompt(500, 1800)
 VERIFY_FAIL = "TP ranks made different L3 restore decisions"
 
 
-def _config(tmp_path, store: bool) -> ServerConfig:
+def _config(tmp_path, store: bool, model: str) -> ServerConfig:
     return ServerConfig(
+        model=model,
         storage_dir=str(tmp_path / "store") if store else None,
         device=DEVICE,
         tp_size=TP,
@@ -48,7 +51,7 @@ def _config(tmp_path, store: bool) -> ServerConfig:
     )
 
 
-def test_tp2_context_4x_host_buffer_restores_from_l3(tmp_path, hash_extension_built) -> None:
+def test_tp2_context_4x_host_buffer_restores_from_l3(tmp_path, family, hash_extension_built) -> None:
     from sglang_l3.cpu import accelerator_present
 
     if DEVICE == "cpu" and accelerator_present():
@@ -59,13 +62,13 @@ def test_tp2_context_4x_host_buffer_restores_from_l3(tmp_path, hash_extension_bu
         if torch.cuda.device_count() < TP:
             pytest.skip(f"TP={TP} on {DEVICE} needs {TP} GPUs, found {torch.cuda.device_count()}")
     servers: list[Server] = []
-    with Server(_config(tmp_path, False), tmp_path / "plain.log", startup_timeout=STARTUP_TIMEOUT) as ref:
+    with Server(_config(tmp_path, False, family), tmp_path / "plain.log", startup_timeout=STARTUP_TIMEOUT) as ref:
         servers.append(ref)
         with bounded(TEST_BOUND, "reference", lambda: servers):
             want = generate(ref, IDS, NEW, "reference")
         servers.clear()
     assert len(set(want.output_ids)) > 1, "degenerate dummy weights"
-    with Server(_config(tmp_path, True), tmp_path / "l3.log", startup_timeout=STARTUP_TIMEOUT) as s:
+    with Server(_config(tmp_path, True, family), tmp_path / "l3.log", startup_timeout=STARTUP_TIMEOUT) as s:
         servers.append(s)
         m = re.search(r"HiCache kv host pool \((\d+) tokens\)", s.log_text())
         assert m, "host pool size not logged"
