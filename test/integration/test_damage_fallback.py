@@ -13,7 +13,9 @@ T1 is damaged and a fresh reader restores the whole context:
   store's checksum during the read; the page is quarantined);
 - `truncate`: the file cut to half before the request (found by the hit query's
   size check);
-- `truncate_mid` (streamed): cut after the stream started, before its piece is read.
+- `truncate_mid` (streamed): cut after the stream started, before its piece is read;
+- `truncate_late` (not streamed): cut after the hit query vouched for it (the query
+  is made to see the file as it was), so the read finds it.
 
 Every case restores exactly T1 — KV and the node's and the request's Mamba slots
 bit-exact with turn 1's checkpoint, the request bound to turn 1's node — computes the
@@ -79,6 +81,24 @@ def _damage(path: str, mode: str) -> None:
             f.truncate(size // 2)
 
 
+def _vouch_once(st: L3Stack, name: str) -> None:
+    """The next hit query reports page file `name` present (it was, when a real query
+    raced with the damage); the read then finds it truncated."""
+    store = st.cache.cache_controller.storage_backend.store
+    orig = store.exists
+    left = [1]
+
+    def exists(items):
+        out = orig([it for it in items if not (left[0] and store.page_name(*it).filename == name)])
+        if left[0] and any(store.page_name(*it).filename == name for it in items):
+            left[0] = 0
+            i = next(i for i, it in enumerate(items) if store.page_name(*it).filename == name)
+            out.insert(i, True)
+        return out
+
+    store.exists = exists
+
+
 def _reader(tmp_path, core: str, ratio) -> L3Stack:
     spec = HybridSpec(page_size=PAGE, kv_size=KV_SIZE, max_context_len=4096)
     st = L3Stack(spec, str(tmp_path), tree_core=core, server_args={} if ratio is None else {"hicache_ratio": ratio})
@@ -100,7 +120,10 @@ def _restore_after_damage(tmp_path, core: str, case: tuple, pool: str, page: int
         streamed = context > cc.mem_pool_host.size
         path = _page_path(st, key, pool)
         assert os.path.exists(path), path
-        if mode != "truncate_mid":
+        if mode == "truncate_late":
+            _damage(path, "truncate")
+            _vouch_once(st, os.path.basename(path))
+        elif mode != "truncate_mid":
             _damage(path, mode)
         st.scribble()
         h = SchedulerHarness(st, chunked_prefill_size=4096)
@@ -161,8 +184,10 @@ def _restore_after_damage(tmp_path, core: str, case: tuple, pool: str, page: int
 SMALL_CASES = [
     ("kv", 5, "flip"),
     ("kv", 5, "truncate"),
+    ("kv", 5, "truncate_late"),
     ("mamba", -1, "flip"),
     ("mamba", -1, "truncate"),
+    ("mamba", -1, "truncate_late"),
 ]
 
 
@@ -173,7 +198,7 @@ def test_not_streamed_damage_restores_up_to_the_checkpoint_below(tmp_path, core,
     assert not d["streamed"]
     assert restored == SMALL[1], d
     assert d["quarantined"] == 1, d
-    if mode == "flip":  # found by the read: upstream's fetch discarded, the hit re-queried
+    if mode != "truncate":  # found by the read: upstream's fetch discarded, the hit re-queried
         assert d.get("l3_restore_refetch{damage}") == 1, d
     else:  # found by the hit query: never promised
         assert not d.get("l3_restore_refetch{damage}"), d
