@@ -224,3 +224,22 @@ def test_threaded_device_runs_queued_work_by_itself() -> None:
     finally:
         sim.uninstall()
     assert not sim.installed()
+
+
+def test_event_probe_cached_under_the_simulator_holds_after_it() -> None:
+    """Upstream caches whether the device's Event takes `enable_timing`
+    (l2_transfer._timing_events_supported, @cache). The simulator answers as
+    torch.cpu does, so a probe made under it does not break every later test in the
+    process ("Event() takes no arguments" when the next stack is built)."""
+    from sglang.srt.mem_cache import l2_transfer
+
+    l2_transfer._timing_events_supported.cache_clear()
+    sim.install(seed=3)
+    try:
+        *_, timed = l2_transfer.make_timing_event_pair()
+        assert not timed
+    finally:
+        sim.uninstall()
+    l2_transfer.make_timing_event_pair()  # torch.cpu.Event again: must not raise
+    with pytest.raises(TypeError):
+        sim.SimEvent(enable_timing=True)

@@ -196,9 +196,14 @@ class SimStream:
 
 
 class SimEvent:
-    """A position in one stream's queue. `torch.cpu.Event(...)` while installed."""
+    """A position in one stream's queue. `torch.cpu.Event()` while installed.
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+    Takes no arguments, as torch.cpu.Event does: upstream probes the device's Event
+    once per process and caches the answer (sglang/srt/mem_cache/l2_transfer.py
+    `_timing_events_supported`, @cache); a probe answered under the simulator must
+    hold after it is uninstalled."""
+
+    def __init__(self) -> None:
         self.stream: Optional[SimStream] = None
         self.mark = 0
 
