@@ -45,6 +45,45 @@ def pytest_configure(config: pytest.Config) -> None:
     sglang_l3.plugin.register()
 
 
+# In-process native libraries' logs (Mooncake's glog) go to files, one per test
+# (sglang_l3.testing.native_logs); a failing test's report names its file.
+_NATIVE_LOGS = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _native_logs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    global _NATIVE_LOGS
+    from sglang_l3.testing import native_logs
+
+    d = native_logs.route(tmp_path_factory.getbasetemp() / "native-logs")
+    _NATIVE_LOGS = native_logs.Slices(d)
+    _NATIVE_LOGS.mark()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _NATIVE_LOGS is not None:
+        _NATIVE_LOGS.mark()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    rep = yield
+    if _NATIVE_LOGS is None or not (rep.failed or rep.when == "teardown"):
+        return rep
+    path = _NATIVE_LOGS.save(item.nodeid)  # what this test's phases wrote so far
+    if rep.failed:
+        rep.sections.append(
+            (
+                "native library logs",
+                f"in-process Mooncake (glog) lines written during this test: {path}"
+                if path
+                else f"no in-process native log lines during this test (all of them: {_NATIVE_LOGS.dir})",
+            )
+        )
+    return rep
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _gpu_present():
         return
