@@ -84,7 +84,60 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     return rep
 
 
+# Parallel runs (run_suite.py: pytest-xdist, --dist loadgroup, collection order kept).
+# Files that start servers go first, slowest first (by their time on the 2-core
+# development VM), so that the two workers finish together; unit tests, which
+# share nothing, are spread one by one at the end.
+SLOW_FIRST = (
+    "e2e/test_tp2_l3.py",
+    "e2e/test_tp2_streamed_server.py",
+    "e2e/test_sessions_server.py",
+    "e2e/test_mooncake_servers.py",
+    "e2e/test_idle_server.py",
+    "e2e/test_l3_restore_server.py",
+    "e2e/test_streamed_server.py",
+    "e2e/test_startup_errors.py",
+    "e2e/test_metrics_server.py",
+    "e2e/test_bad_request.py",
+)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _rel(item: pytest.Item) -> str:
+    return os.path.relpath(str(item.path), _HERE).replace(os.sep, "/")
+
+
+def xdist_group(rel: str) -> str | None:
+    """The group a test file's tests run in, on one worker, in file order (None:
+    each test on its own). A file is one group: module/session fixtures (shared
+    servers, `_CLUSTERS` in e2e/conftest.py) and tests that build on earlier ones
+    stay together. The TP=2 files share one group: two TP=2 servers at once do
+    not fit two shared cores."""
+    if rel.startswith("unit/"):
+        return None
+    if rel.startswith("e2e/test_tp2_"):
+        return "e2e-tp2"
+    return rel
+
+
+_DIRS = ("e2e", "integration", "upstream", "unit")
+
+
+def _order(rel: str) -> int:
+    if rel in SLOW_FIRST:
+        return SLOW_FIRST.index(rel)
+    top = rel.split("/")[0]
+    return len(SLOW_FIRST) + (_DIRS.index(top) if top in _DIRS else len(_DIRS))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rels = {id(item): _rel(item) for item in items}
+    items.sort(key=lambda item: _order(rels[id(item)]))  # stable: file order kept
+    for item in items:
+        group = xdist_group(rels[id(item)])
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
     if _gpu_present():
         return
     skip = pytest.mark.skip(reason="needs a GPU (none on this machine)")
