@@ -83,7 +83,12 @@ def main() -> int:
     print(f"[run_suite] suite={args.suite}: {' '.join(cmd[3:])}", flush=True)
     t0 = time.monotonic()
     rc = subprocess.call(cmd, cwd=os.path.dirname(HERE), env=env)
-    print(f"[run_suite] suite={args.suite} finished in {time.monotonic() - t0:.0f}s with exit code {rc}", flush=True)
+    took = time.monotonic() - t0
+    print(
+        f"[run_suite] suite={args.suite} finished in {took:.0f}s ({took // 60:.0f} min {took % 60:.0f} s) "
+        f"with exit code {rc}",
+        flush=True,
+    )
     if rc == 5:  # pytest: no tests collected — a suite that runs nothing has failed
         print("[run_suite] no tests were collected", flush=True)
         return 1

@@ -113,7 +113,10 @@ class ServerConfig:
     prefetch_threshold: int | None = None
     tp_size: int = 1  # --tp-size; on CPU each rank is a process (gloo, patch cpu-tp-gloo)
     # --sleep-on-idle: an idle scheduler waits in zmq poll (upstream's IdleSleeper, woken at
-    # once by a request, else every second) instead of busy-polling a core; False: busy loop
+    # once by a request, else every second) instead of busy-polling a core; False: busy loop.
+    # No test server needs the busy loop: the sleeper never sleeps while an L3 transfer or a
+    # hint is in flight (test/e2e/test_idle_server.py); False is for benchmark/idle_cpu.py and
+    # that test's negative control only.
     sleep_on_idle: bool = True
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
