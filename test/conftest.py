@@ -45,7 +45,99 @@ def pytest_configure(config: pytest.Config) -> None:
     sglang_l3.plugin.register()
 
 
+# In-process native libraries' logs (Mooncake's glog) go to files, one per test
+# (sglang_l3.testing.native_logs); a failing test's report names its file.
+_NATIVE_LOGS = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _native_logs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    global _NATIVE_LOGS
+    from sglang_l3.testing import native_logs
+
+    d = native_logs.route(tmp_path_factory.getbasetemp() / "native-logs")
+    _NATIVE_LOGS = native_logs.Slices(d)
+    _NATIVE_LOGS.mark()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _NATIVE_LOGS is not None:
+        _NATIVE_LOGS.mark()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    rep = yield
+    if _NATIVE_LOGS is None or not (rep.failed or rep.when == "teardown"):
+        return rep
+    path = _NATIVE_LOGS.save(item.nodeid)  # what this test's phases wrote so far
+    if rep.failed:
+        rep.sections.append(
+            (
+                "native library logs",
+                f"in-process Mooncake (glog) lines written during this test: {path}"
+                if path
+                else f"no in-process native log lines during this test (all of them: {_NATIVE_LOGS.dir})",
+            )
+        )
+    return rep
+
+
+# Parallel runs (run_suite.py: pytest-xdist, --dist loadgroup, collection order kept).
+# Files that start servers go first, slowest first (by their time on the 2-core
+# development VM), so that the two workers finish together; unit tests, which
+# share nothing, are spread one by one at the end.
+SLOW_FIRST = (
+    "e2e/test_tp2_l3.py",
+    "e2e/test_tp2_streamed_server.py",
+    "e2e/test_sessions_server.py",
+    "e2e/test_mooncake_servers.py",
+    "e2e/test_idle_server.py",
+    "e2e/test_l3_restore_server.py",
+    "e2e/test_streamed_server.py",
+    "e2e/test_startup_errors.py",
+    "e2e/test_metrics_server.py",
+    "e2e/test_bad_request.py",
+)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _rel(item: pytest.Item) -> str:
+    return os.path.relpath(str(item.path), _HERE).replace(os.sep, "/")
+
+
+def xdist_group(rel: str) -> str | None:
+    """The group a test file's tests run in, on one worker, in file order (None:
+    each test on its own). A file is one group: module/session fixtures (shared
+    servers, `_CLUSTERS` in e2e/conftest.py) and tests that build on earlier ones
+    stay together. The TP=2 files share one group: two TP=2 servers at once do
+    not fit two shared cores."""
+    if rel.startswith("unit/"):
+        return None
+    if rel.startswith("e2e/test_tp2_"):
+        return "e2e-tp2"
+    return rel
+
+
+_DIRS = ("e2e", "integration", "upstream", "unit")
+
+
+def _order(rel: str) -> int:
+    if rel in SLOW_FIRST:
+        return SLOW_FIRST.index(rel)
+    top = rel.split("/")[0]
+    return len(SLOW_FIRST) + (_DIRS.index(top) if top in _DIRS else len(_DIRS))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rels = {id(item): _rel(item) for item in items}
+    items.sort(key=lambda item: _order(rels[id(item)]))  # stable: file order kept
+    for item in items:
+        group = xdist_group(rels[id(item)])
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
     if _gpu_present():
         return
     skip = pytest.mark.skip(reason="needs a GPU (none on this machine)")

@@ -7,6 +7,12 @@ Suites:
             with every sglang-l3 patch applied
   gpu       GPU checks (CUDA or ROCm); skip cleanly without a GPU
   rdna3     RDNA3-only checks (gfx11xx); skip cleanly elsewhere
+
+cpu and fast run on two pytest-xdist workers (`--jobs`; 1 = one process, in
+order): a test file that shares servers or state is one group, run in file order
+on one worker (test/conftest.py: xdist_group), and the slowest files start first.
+The total time is printed at the end; a run with failures or without any test
+exits non-zero.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ SUITES: dict[str, list[str]] = {
     "gpu": ["unit", "integration", "e2e", "gpu", "-m", "gpu"],
     "rdna3": ["unit", "gpu", "-m", "rdna3"],
 }
+# suites run by two pytest-xdist workers unless --jobs 1 (GPU suites share the devices)
+PARALLEL = ("cpu", "fast")
 
 
 def main() -> int:
@@ -36,10 +44,22 @@ def main() -> int:
         action="store_true",
         help="negative control: SGLANG_L3_DISABLE every patch except the CPU support groups",
     )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="pytest-xdist workers for the cpu and fast suites (default: 2 on a machine with 2+ cores; "
+        "1 = one process, in order)",
+    )
     ap.add_argument("pytest_args", nargs="*", help="extra arguments passed to pytest (after --)")
     args = ap.parse_args()
     targets = SUITES[args.suite]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", HERE]
+    jobs = args.jobs if args.jobs is not None else (2 if (os.cpu_count() or 1) >= 2 else 1)
+    if args.suite in PARALLEL and jobs > 1:
+        # Test files that share servers or state are one xdist group each (test/conftest.py:
+        # xdist_group), run in file order on one worker; the slowest files start first.
+        cmd += ["-n", str(jobs), "--dist", "loadgroup", "--no-loadscope-reorder"]
     it = iter(targets)
     for t in it:
         if t == "-m":
@@ -63,7 +83,12 @@ def main() -> int:
     print(f"[run_suite] suite={args.suite}: {' '.join(cmd[3:])}", flush=True)
     t0 = time.monotonic()
     rc = subprocess.call(cmd, cwd=os.path.dirname(HERE), env=env)
-    print(f"[run_suite] suite={args.suite} finished in {time.monotonic() - t0:.0f}s with exit code {rc}", flush=True)
+    took = time.monotonic() - t0
+    print(
+        f"[run_suite] suite={args.suite} finished in {took:.0f}s ({took // 60:.0f} min {took % 60:.0f} s) "
+        f"with exit code {rc}",
+        flush=True,
+    )
     if rc == 5:  # pytest: no tests collected — a suite that runs nothing has failed
         print("[run_suite] no tests were collected", flush=True)
         return 1

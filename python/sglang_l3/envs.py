@@ -102,10 +102,30 @@ _VARS = (
         "1: the Mooncake tests fail instead of skipping when Mooncake is not installed (set by `make test`)",
         "tests",
     ),
-    EnvVar("SGLANG_L3_E2E_STARTUP_TIMEOUT", "420", "seconds an e2e test server may take to start", "tests"),
-    EnvVar("SGLANG_L3_E2E_REQUEST_TIMEOUT", "180", "seconds each HTTP request of the TP=2 e2e tests may take", "tests"),
     EnvVar(
-        "SGLANG_L3_E2E_TEST_BOUND", "600", "seconds one TP=2 e2e test may take before it fails (hang guard)", "tests"
+        "SGLANG_L3_E2E_STARTUP_TIMEOUT",
+        "420",
+        "seconds an e2e test server may take to start (on the quiet reference machine; scaled by the slowdown)",
+        "tests",
+    ),
+    EnvVar(
+        "SGLANG_L3_E2E_REQUEST_TIMEOUT",
+        "180",
+        "seconds each HTTP request of the TP=2 e2e tests may take (reference machine; scaled by the slowdown)",
+        "tests",
+    ),
+    EnvVar(
+        "SGLANG_L3_E2E_TEST_BOUND",
+        "600",
+        "seconds one TP=2 e2e test may take before it fails (hang guard; reference machine, scaled by the slowdown)",
+        "tests",
+    ),
+    EnvVar(
+        "SGLANG_L3_TEST_SLOWDOWN",
+        "",
+        "fixed factor for the test harness's timeouts instead of the measured one (sglang_l3.testing.speed; "
+        "1 = no scaling)",
+        "tests",
     ),
     EnvVar(
         "SGLANG_L3_E2E_TP2_DEVICE", "cpu", "device of the TP=2 e2e servers (cuda on a machine with >= 2 GPUs)", "tests"

@@ -29,6 +29,7 @@ present because the cpu-serving patches are not applicable there) and `cuda`
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -322,9 +323,26 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("cluster", DEVICES, indirect=True)
 
 
+def _ttfts() -> dict[str, dict]:
+    return {device: c.results["ttft"] for device, c in _CLUSTERS.items() if c.results.get("ttft")}
+
+
+_FROM_WORKERS: dict[str, dict] = {}  # under pytest-xdist the clusters live in the workers
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    out = getattr(session.config, "workeroutput", None)  # set in an xdist worker
+    if out is not None:
+        out["e2e_ttft"] = json.dumps(_ttfts())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    _FROM_WORKERS.update(json.loads(getattr(node, "workeroutput", {}).get("e2e_ttft", "{}")))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    for device, c in _CLUSTERS.items():
-        t = c.results.get("ttft")
+    for device, t in {**_FROM_WORKERS, **_ttfts()}.items():
         if t:
             terminalreporter.write_line(
                 f"[e2e {device}] TTFT for a {t['prompt_tokens']}-token prompt: "

@@ -4,7 +4,8 @@ rank, and the damage the tests do to them.
 
 pytest-timeout is not a dependency: `bounded()` is the same idea (SIGALRM in
 the main thread, which interrupts a blocking socket read), and every request
-also carries its own socket timeout.
+also carries its own socket timeout. Both are reference-machine seconds,
+stretched by the machine's measured slowdown (sglang_l3.testing.speed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import urllib.error
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from sglang_l3.testing import speed
 from sglang_l3.testing.server import Generation, Server, ServerError
 
 TP = 2
@@ -41,13 +43,23 @@ def logs_of(servers: list[Server], lines: int = 80) -> str:
 
 @contextlib.contextmanager
 def bounded(seconds: float, what: str, servers: Callable[[], list[Server]]) -> Iterator[None]:
-    """Fail (never stall) when the block runs longer than `seconds`."""
+    """Fail (never stall) when the block runs longer than `seconds` on the quiet
+    reference machine: on a loaded one the bound stretches with the slowdown
+    measured while it runs (sglang_l3.testing.speed, checked every 30 s at most)."""
+    budget = speed.Budget(seconds)
+
+    def arm() -> None:
+        left = max(seconds - budget.spent, 0.0) * budget.factor
+        signal.setitimer(signal.ITIMER_REAL, max(0.05, min(30.0, left)))
 
     def on_alarm(signum: int, frame: object) -> None:
-        raise Hang(f"{what}: not finished within {seconds:.0f} s (hang?)\n{logs_of(servers())}")
+        if budget.expired():
+            raise Hang(f"{what}: not finished within {budget.describe()} (hang?)\n{logs_of(servers())}")
+        arm()
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    outer, _ = signal.getitimer(signal.ITIMER_REAL)
+    arm()
     t0 = time.monotonic()
     try:
         yield
@@ -150,6 +162,8 @@ def damage(victim: Path, mode: str) -> None:
 
 
 def wait_for(cond: Callable[[], bool], seconds: float, what: str) -> None:
+    """Poll `cond` for `seconds` (reference-machine seconds, scaled)."""
+    seconds = speed.scaled(seconds)
     deadline = time.monotonic() + seconds
     while not cond():
         if time.monotonic() > deadline:

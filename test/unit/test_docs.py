@@ -41,6 +41,7 @@ def test_one_serve_command_everywhere() -> None:
         '"store_dir"',
         "--hicache-storage-backend file --hicache-mem-layout buffer_only",
         "--enable-hierarchical-cache",
+        "--sleep-on-idle",  # an idle server must not spin a core (test/e2e/test_idle_server.py)
     ],
 )
 def test_serve_command_is_complete(needle: str) -> None:
@@ -53,4 +54,4 @@ def test_serve_command_parses() -> None:
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(argv)
-    assert ns.hicache_mem_layout == "buffer_only" and ns.tp_size == 2
+    assert ns.hicache_mem_layout == "buffer_only" and ns.tp_size == 2 and ns.sleep_on_idle

@@ -89,6 +89,7 @@ class _Proc:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
+        env.pop("MC_LOG_DIR", None)  # with it the binaries call InitGoogleLogging twice and abort
         env.update(self.env or {})
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(

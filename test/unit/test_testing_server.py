@@ -1,0 +1,172 @@
+"""The server launcher's busy-machine parts: `--sleep-on-idle` by default,
+timeouts scaled by the measured slowdown, a start-up that dies says why, and
+native libraries' logs routed to files (sglang_l3.testing.{server,speed,exits,native_logs})."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sglang_l3.testing import exits, native_logs, speed
+from sglang_l3.testing.server import Server, ServerConfig, ServerError
+
+
+def test_sleep_on_idle_is_the_default() -> None:
+    assert ServerConfig().sleep_on_idle
+    assert "--sleep-on-idle" in ServerConfig().args(1234)
+    assert "--sleep-on-idle" not in ServerConfig(sleep_on_idle=False).args(1234)
+
+
+def test_slowdown_fixed_by_env(monkeypatch) -> None:
+    monkeypatch.setenv(speed.ENV, "4")
+    assert speed.slowdown() == 4.0
+    assert speed.scaled(10) == 40.0
+    b = speed.Budget(10.0)
+    assert not b.expired()
+    # each wall second costs a quarter of a reference second
+    assert b.spent <= b.spent_wall / 4 + 1e-6
+    assert "slowdown now 4.0x" in b.describe()
+
+
+def test_slowdown_measured_is_at_least_one(monkeypatch) -> None:
+    monkeypatch.delenv(speed.ENV, raising=False)
+    assert speed.measure() > 0
+    f = speed.slowdown(max_age=0)
+    assert 1.0 <= f <= speed.MAX_FACTOR
+
+
+def _fake_launcher(tmp_path: Path, body: str) -> str:
+    """An executable standing in for `python -m sglang.launch_server ...`."""
+    p = tmp_path / "fake-python"
+    p.write_text("#!/bin/sh\n" + body + "\n")
+    p.chmod(p.stat().st_mode | stat.S_IXUSR)
+    return str(p)
+
+
+def test_startup_killed_from_outside_says_so(tmp_path: Path) -> None:
+    fake = _fake_launcher(tmp_path, "echo starting; kill -9 $$")
+    s = Server(ServerConfig(), tmp_path / "server.log", startup_timeout=60, python=fake)
+    with pytest.raises(ServerError) as e:
+        s.start()
+    msg = str(e.value)
+    assert msg.startswith("server exited with -9 during start-up"), msg
+    assert "exit code -9 (SIGKILL)" in msg
+    if exits.oom_kill_count() is not None and "OOM killer killed" not in msg:
+        assert "no OOM kill on this machine meanwhile" in msg
+        assert "SIGKILL from outside" in msg
+    assert "memory available now" in msg
+    assert str(tmp_path / "server.log") in msg
+
+
+def test_startup_upstream_self_kill_says_so(tmp_path: Path) -> None:
+    # upstream's launcher after a child failed: SIGQUIT handler -> kill_process_tree(own pid)
+    fake = _fake_launcher(
+        tmp_path,
+        'echo "Received sigquit from a child process. It usually means the child failed."; '
+        'echo "kill_process_tree called: parent_pid=$$, include_parent=True, pid=$$"; kill -9 $$',
+    )
+    s = Server(ServerConfig(), tmp_path / "server.log", startup_timeout=60, python=fake)
+    with pytest.raises(ServerError) as e:
+        s.start()
+    assert "upstream's launcher killed its own process tree after a child process failed" in str(e.value)
+    assert "SIGKILL from outside" not in str(e.value)
+
+
+def test_startup_timeout_reports_the_budget(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(speed.ENV, "1")
+    fake = _fake_launcher(tmp_path, "sleep 60")
+    s = Server(ServerConfig(), tmp_path / "server.log", startup_timeout=1.0, python=fake)
+    with pytest.raises(ServerError) as e:
+        s.start()
+    assert str(e.value).startswith("server not ready after "), str(e.value)
+    assert "budgeted on the quiet reference machine" in str(e.value)
+    assert not s.alive()
+
+
+def test_low_host_memory_start_is_retried(tmp_path: Path, monkeypatch) -> None:
+    """Upstream's 10 GiB host reserve missing on a shared machine: wait, start again."""
+    import sglang_l3.testing.server as server_mod
+
+    monkeypatch.setattr(server_mod, "MEMORY_WAIT_S", 600.0)
+    sleeps: list[float] = []
+    real_sleep = server_mod.time.sleep
+
+    def sleep(seconds: float) -> None:  # the 20 s waits for memory are only counted
+        if seconds >= 20:
+            sleeps.append(seconds)
+        else:
+            real_sleep(seconds)
+
+    monkeypatch.setattr(server_mod.time, "sleep", sleep)
+    marker = tmp_path / "tries"
+    fake = _fake_launcher(
+        tmp_path,
+        f"echo x >> {marker}; if [ $(wc -l < {marker}) -lt 3 ]; then "
+        "echo \"sglang-l3: error: --enable-hierarchical-cache: 9.8 GiB host memory available, less than HiCache's "
+        'fixed 10 GiB reserve"; exit 2; fi; echo "The server is fired up and ready to roll!"; sleep 60',
+    )
+    s = Server(ServerConfig(), tmp_path / "server.log", startup_timeout=60, python=fake)
+    try:
+        s.start()
+        assert s.alive() and len(marker.read_text().split()) == 3 and sleeps.count(20) == 2
+    finally:
+        s.stop()
+
+
+def test_cpu_seconds_counts_the_process_tree(tmp_path: Path) -> None:
+    fake = _fake_launcher(
+        tmp_path,
+        'echo "The server is fired up and ready to roll!"\n'
+        f"{sys.executable} - <<'EOF' &\n"
+        "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\ntime.sleep(60)\n"
+        "EOF\nwait",
+    )
+    with Server(ServerConfig(), tmp_path / "server.log", startup_timeout=60, python=fake) as s:
+        c0 = s.cpu_seconds()
+        deadline = speed.scaled(60)
+        t0 = time.monotonic()
+        while s.cpu_seconds() - c0 < 0.25 and time.monotonic() - t0 < deadline:
+            time.sleep(0.1)
+        assert s.cpu_seconds() - c0 >= 0.25  # the grandchild's CPU is counted
+
+
+def test_exit_cause_for_a_normal_exit() -> None:
+    p = subprocess.Popen(["true"])
+    w = exits.Watch(p.pid)
+    p.wait()
+    assert w.cause(0, "").startswith("exit code 0")
+    p = subprocess.Popen(["sleep", "30"])
+    w = exits.Watch(p.pid)
+    os.kill(p.pid, signal.SIGTERM)
+    p.wait()
+    assert "exit code -15 (SIGTERM)" in w.cause(p.returncode, "")
+
+
+def test_native_log_slices(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv(native_logs.ENV, raising=False)
+    monkeypatch.setattr(native_logs, "_unbuffer_glog", lambda: None)
+    monkeypatch.setattr(native_logs, "_routed", None)
+    d = native_logs.route(tmp_path / "logs")
+    try:
+        assert os.environ[native_logs.ENV] == str(d)
+        # children (servers, Mooncake binaries) do not inherit the test process's routing
+        assert native_logs.ENV not in native_logs.child_env(dict(os.environ))
+        assert native_logs.child_env({native_logs.ENV: "/elsewhere"}) == {native_logs.ENV: "/elsewhere"}
+        log = d / "mooncake-transfer-engine.vm.user.log.INFO.20261130-000000.1"
+        log.write_text("I1130 before\n")
+        sl = native_logs.Slices(d)
+        sl.mark()
+        assert sl.save("test_a") is None
+        with open(log, "a") as f:
+            f.write("I1130 transfer_metadata.cpp:616] removeSegmentDesc 127.0.0.1:1 finish\n")
+        out = sl.save("test/x.py::test_b[1]")
+        assert out is not None and out.parent == d / "tests"
+        assert "removeSegmentDesc" in out.read_text() and "before" not in out.read_text()
+    finally:
+        os.environ.pop(native_logs.ENV, None)
