@@ -18,7 +18,8 @@ hang is back, and the watchdog (SGLANG_L3_VERIFY=1, a 5 s margin) ends it on bot
 ranks alike, logging both ranks' state; the answers are still right.
 
 Servers: per TP one no-cache reference (stopped once its answers are taken), then one
-L3 server per policy over one store (the first writes the prefix). One TP=2 server at
+L3 server per case over one store (the first writes the prefix): all three policies at
+TP=1, `timeout` (the default) and `wait_complete` at TP=2, plus the watchdog's. One TP=2 server at
 a time (two shared cores).
 """
 
@@ -189,8 +190,14 @@ def run_burst(b: Burst, s: Server, n: int, policy: str, *, streamed: bool = True
     return [out[i] for i in range(n)]
 
 
-@pytest.mark.parametrize("burst", (1, 2), ids=("tp1", "tp2"), indirect=True)
-@pytest.mark.parametrize("policy", POLICIES)
+# every policy at TP=1; at TP=2 (two rank processes on two shared cores: slow starts) the
+# default `timeout` and `wait_complete` (the policies the issue reproduced the hang with)
+CASES = [pytest.param(1, p, id=f"tp1-{p}") for p in POLICIES] + [
+    pytest.param(2, p, id=f"tp2-{p}") for p in ("timeout", "wait_complete")
+]
+
+
+@pytest.mark.parametrize(("burst", "policy"), CASES, indirect=["burst"])
 def test_burst_on_one_l3_prefix(burst: Burst, policy: str) -> None:
     ref = burst.reference()
     streamed = policy != "best_effort"  # best_effort stops a stream at its first admission poll
