@@ -3,10 +3,11 @@ prefixes, random /flush_cache, aborts, injected single-rank storage faults and
 shared-prefix bursts, every answer compared with a TP=2 server that has no cache. Not a timed test:
 it prints counts, and its last line is exactly
 
-    requests=N mismatches=M hangs=H restored_tokens=T rank_disagreements=D
+    requests=N mismatches=M hangs=H restored_tokens=T rank_disagreements=D restored_vs_restorable=R/C
 
     nice -n 10 .venv/bin/python benchmark/soak_server.py --tp 2
         [--requests 300 --agents 8 --seed 1 --new-tokens 4 --work DIR]
+        [--pool 4096 --hicache-ratio 0.09 --max-history 2300]   (issue 24's workload)
 
 Phase 1 runs the whole workload on the no-cache server (histories grow with
 its answers); phase 2 replays the same inputs, in the same order, on a
@@ -16,6 +17,13 @@ rank_disagreements). Between requests phase 2 flushes the device cache, damages
 one page file of one rank (delete / truncate / flip / foreign), or sends an
 extra copy of the next request and aborts it. A request that does not answer
 within --request-timeout is a hang (the soak stops there).
+
+restored_vs_restorable=R/C: over the requests sent right after a /flush_cache (the
+device holds nothing then), R = tokens restored from L3 and C = tokens restorable by
+checkpoint: the agent's previous turn as computed (its input and its answer but the
+last token), floored to the 64-token Mamba checkpoint grid (a hybrid prefix is only
+restorable where a state is stored). R < C means L3 lost part of a turn it was given
+(issue 24: writes dropped as parent_not_stored).
 
 Bursts (issue 24; --p-burst of the plan's entries): a long prefix (4-8x the host
 staging buffer, on a device pool too short for two copies of it) is written to L3
@@ -40,6 +48,7 @@ import urllib.error
 from pathlib import Path
 
 VERIFY_FAIL = "TP ranks made different L3 restore decisions"
+CHECKPOINT = 64  # tokens: the Mamba state grid of the served model at page 64
 STREAM_START = re.compile(r"streamed restore req=\S+ start=")
 
 
@@ -85,7 +94,13 @@ def main() -> int:
         default=2304,
         help="device KV tokens (small: evictions; shorter than two copies of a burst's prefix)",
     )
-    ap.add_argument("--host-tokens", type=int, default=256, help="host staging buffer (--hicache-ratio)")
+    ap.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=None,
+        help="host staging buffer / device pool (default: --host-tokens / --pool; 0.09 with --pool 4096 = 384 tokens)",
+    )
+    ap.add_argument("--host-tokens", type=int, default=256, help="host staging buffer without --hicache-ratio")
     ap.add_argument("--p-burst", type=float, default=0.15, help="share of plan entries that are bursts")
     ap.add_argument("--p-flush", type=float, default=0.06)
     ap.add_argument("--p-fault", type=float, default=0.08)
@@ -112,9 +127,11 @@ def main() -> int:
     store = work / "store"
     shutil.rmtree(store, ignore_errors=True)
     rng = random.Random(args.seed)
-    plan = workload(rng, args.requests, args.agents, args.p_burst, args.host_tokens)
-    if 8 * args.host_tokens + 80 > args.pool:
-        ap.error("a burst context (up to 8x --host-tokens) must fit the device pool")
+    ratio = args.hicache_ratio or args.host_tokens / args.pool
+    host = int(ratio * args.pool) // 64 * 64  # the host buffer a burst's prefix is sized by
+    if host < 64 or 8 * host + 80 > args.pool:
+        ap.error("a burst context (4-8x the host buffer, at least one page) must fit the device pool")
+    plan = workload(rng, args.requests, args.agents, args.p_burst, host)
     systems = [prompt(9000 + i, 128) for i in range(2)]
 
     def config(with_store: bool) -> ServerConfig:
@@ -125,14 +142,16 @@ def main() -> int:
             chunked_prefill_size=256,
             page_size=64,
             prefetch_threshold=64 if with_store else None,
-            extra_args=["--hicache-ratio", f"{args.host_tokens / args.pool:.6f}"] if with_store else [],
+            extra_args=["--hicache-ratio", f"{ratio:.6f}"] if with_store else [],
             env={"SGLANG_L3_VERIFY": "1"},
         )
 
     # ---------------------------------------------------------------- phase 1
     inputs: list = []  # per plan entry: a request's ids, or a burst's (writer, [ids])
     refs: list = []  # per plan entry: a Generation, or a burst's list of them
+    restorable: list[int] = []  # per plan entry: the previous turn as computed, on the checkpoint grid
     history = {a: list(systems[a % 2]) for a in range(args.agents)}
+    computed = {a: 0 for a in range(args.agents)}
     t0 = time.monotonic()
     with Server(config(False), work / "plain.log", startup_timeout=args.startup_timeout) as plain:
         print(
@@ -147,6 +166,7 @@ def main() -> int:
                 burst = [prefix + t for t in tails]
                 inputs.append((prefix + wtail, burst, len(prefix)))
                 refs.append([plain.generate(ids, args.new_tokens, timeout=args.request_timeout) for ids in burst])
+                restorable.append(0)  # not a turn after a flush (counted in bursts= / burst_shared=)
                 done += len(burst)
             else:
                 _, agent, user = entry
@@ -154,15 +174,19 @@ def main() -> int:
                 g = plain.generate(ids, args.new_tokens, timeout=args.request_timeout)
                 inputs.append(ids)
                 refs.append(g)
+                restorable.append(min(computed[agent], len(ids) - 1) // CHECKPOINT * CHECKPOINT)
                 history[agent] = ids + g.output_ids
+                computed[agent] = len(ids) + len(g.output_ids) - 1  # the last token was sampled, never computed
                 if len(history[agent]) > args.max_history:
                     history[agent] = list(systems[agent % 2])
+                    computed[agent] = 0
                 done += 1
             if before // 50 != done // 50:
                 print(f"  reference {done}/{args.requests}", flush=True)
 
     # ---------------------------------------------------------------- phase 2
     requests = mismatches = hangs = restored = disagreements = 0
+    flush_restored = flush_restorable = 0
     flushes = faults = aborts = bursts = shared = 0
     max_dlogp = 0.0
     t1 = time.monotonic()
@@ -198,7 +222,8 @@ def main() -> int:
                     continue
                 break
             r = rng.random()
-            if r < args.p_flush:
+            flushed = r < args.p_flush
+            if flushed:
                 server.flush_cache(timeout=args.request_timeout)
                 flushes += 1
             elif r < args.p_flush + args.p_fault:
@@ -229,6 +254,11 @@ def main() -> int:
                 break
             requests += 1
             restored += g.cached_storage
+            if flushed:
+                flush_restored += g.cached_storage
+                flush_restorable += restorable[i]
+                if g.cached_storage < restorable[i]:
+                    print(f"  short restore request {i}: {g.cached_storage} of {restorable[i]}", flush=True)
             bad, dlogp = compare(g, refs[i], f"request {i}")
             mismatches += bad
             max_dlogp = max(max_dlogp, dlogp)
@@ -250,7 +280,8 @@ def main() -> int:
     )
     print(
         f"requests={requests} mismatches={mismatches} hangs={hangs} "
-        f"restored_tokens={restored} rank_disagreements={disagreements}",
+        f"restored_tokens={restored} rank_disagreements={disagreements} "
+        f"restored_vs_restorable={flush_restored}/{flush_restorable}",
         flush=True,
     )
     return 1 if (mismatches or hangs or disagreements or abandoned or requests < args.requests) else 0

@@ -84,6 +84,7 @@ class Burst:
             # the `timeout` budget a loaded 2-core box cannot miss (the hang is not a deadline)
             storage_extra_config={"prefetch_timeout_base": 600} if store and policy == "timeout" else {},
             extra_args=extra,
+            overlap_schedule=store is not None,  # the no-cache reference schedules without overlap
             env={"SGLANG_L3_VERIFY": "1", "SGLANG_L3_TEST_FAULT": f"stream-hold@{self.gate}", **(env or {})},
         )
 

@@ -1,6 +1,8 @@
 """The house's layering, read from the source (ast): runtime modules (what a
 serving process imports) never import the harnesses (sglang_l3.testing) or test
-code, and nothing below patches/ imports upward (patches, plugin, cli, doctor)."""
+code, nothing below patches/ imports upward (patches, plugin, cli, doctor), and a
+patch never reaches into a command-line module (shared logic lives where both can
+import it publicly)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ BELOW = (
     "sglang_l3.envs",
 )
 UPPER = ("sglang_l3.patches", "sglang_l3.plugin", "sglang_l3.cli", "sglang_l3.doctor")
+# command-line modules: a runtime patch imports none of them
+CLI = ("sglang_l3.cli", "sglang_l3.storage.cli", "sglang_l3.storage.sessions_cli")
 # storage's tool layer: the doctor section reads the store, it does not run the CLI
 EXTRA = {"sglang_l3.storage.doctor": ("sglang_l3.storage.cli",)}
 
@@ -70,6 +74,8 @@ def violations() -> list[str]:
                 bad.append(f"{where}: runtime module {mod} imports harness/test code {name}")
             if _under(mod, BELOW) and _under(name, UPPER):
                 bad.append(f"{where}: {mod} (below patches/) imports {name}")
+            if _under(mod, ("sglang_l3.patches",)) and _under(name, CLI):
+                bad.append(f"{where}: patch {mod} imports command-line module {name}")
             if _under(name, EXTRA.get(mod, ())):
                 bad.append(f"{where}: {mod} imports {name}")
     return bad
@@ -96,9 +102,13 @@ def test_the_check_sees_a_violation(tmp_path) -> None:
     """The walker catches both shapes of import (negative control of the check)."""
     p = PKG / "quant" / "_layering_probe.py"
     p.write_text("from sglang_l3.patches import framework\nimport sglang_l3.testing.stack\n")
+    q = PKG / "patches" / "_layering_probe.py"
+    q.write_text("from sglang_l3.storage.sessions_cli import run\n")
     try:
         found = violations()
     finally:
         p.unlink()
+        q.unlink()
     assert any("_layering_probe.py:1" in v and "below patches/" in v for v in found)
     assert any("_layering_probe.py:2" in v and "harness" in v for v in found)
+    assert any("patches/_layering_probe.py:1" in v and "command-line module" in v for v in found)

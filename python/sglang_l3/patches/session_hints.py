@@ -92,11 +92,11 @@ def add_routes(app: Any) -> None:
         return JSONResponse(h.as_dict())
 
     async def sessions() -> JSONResponse:
-        from sglang_l3.storage.sessions_cli import _rows
+        from sglang_l3.storage.sessions import session_rows
 
         tm = _tm()
         root = _store_root(tm) if tm is not None else None
-        rows = [] if root is None else [{k: v for k, v in r.items() if k != "keys"} for r in _rows(root, None)]
+        rows = [] if root is None else [{k: v for k, v in r.items() if k != "keys"} for r in session_rows(root)]
         states: dict[str, int] = {}
         for h in BOOK.hints.values():
             states[h.state] = states.get(h.state, 0) + 1
@@ -114,7 +114,7 @@ def add_routes(app: Any) -> None:
 
         from sglang_l3.patches.sessions import DROP_MARK
         from sglang_l3.storage.sessions import valid_session_id
-        from sglang_l3.storage.sessions_cli import _rows
+        from sglang_l3.storage.sessions import session_rows
 
         tm = _tm()
         if tm is None:
@@ -127,7 +127,7 @@ def add_routes(app: Any) -> None:
             )
         if not valid_session_id(session_id):
             return JSONResponse({"error": f"invalid session id {session_id!r}"}, status_code=400)
-        known = session_id in BOOK.contexts or any(r.get("id") == session_id for r in _rows(root, None))
+        known = session_id in BOOK.contexts or any(r.get("id") == session_id for r in session_rows(root))
         if not known:
             return JSONResponse({"error": f"unknown session {session_id!r}"}, status_code=404)
         # to every scheduler rank as upstream's close message (patch `sessions` turns it into a drop)

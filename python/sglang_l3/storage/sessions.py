@@ -22,7 +22,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sglang_l3.storage.safety import StoreDirs, valid_key
+from sglang_l3.storage.safety import StoreDirs, UnsafeStoreError, valid_key
 
 logger = logging.getLogger(__name__)
 
@@ -198,3 +198,61 @@ __all__ = [
     "table_path",
     "valid_session_id",
 ]
+
+
+def session_rows(root: str, model: str | None = None) -> list[dict[str, Any]]:
+    """One dict per recorded session of the store at `root` (optionally one model's:
+    digest prefix or name): state, priority, tokens, chain pages, pages stored, the
+    restorable prefix, bytes, last use and the key chain. A table that cannot be read
+    is a row with `table` and `error`. Offline: reads page names and tables only."""
+    from sglang_l3.storage import index
+
+    scan = index.scan(root)
+    mids = index.match_model(scan, model) if model else None
+    sizes: dict[tuple[str, str], int] = {}
+    kv: set[tuple[str, str]] = set()
+    for p in scan.pages:
+        k = (p.name.mid, p.name.key)
+        sizes[k] = sizes.get(k, 0) + p.size
+        if p.name.pool == "kv":
+            kv.add(k)
+    out: list[dict[str, Any]] = []
+    names = list_tables(root)
+    if not names:
+        return out
+    try:
+        dirs = StoreDirs(root, create=False)
+    except (UnsafeStoreError, OSError) as e:
+        return [{"table": root, "error": str(e)}]
+    with dirs:
+        tables = []
+        for name in names:
+            try:
+                tables.append(decode(read_table_bytes(dirs, name) or b"", None))
+            except (TableError, OSError) as e:
+                out.append({"table": dirs.path("models", name), "error": str(e)})
+    for mid, records in tables:
+        if mids is not None and mid not in mids:
+            continue
+        for r in records:
+            present = [k for k in r.keys if (mid, k) in kv]
+            prefix = 0
+            while prefix < len(r.keys) and (mid, r.keys[prefix]) in kv:
+                prefix += 1
+            out.append(
+                {
+                    "mid": mid,
+                    "model": scan.models.get(mid, {}).get("model", "?"),
+                    "id": r.id,
+                    "state": "open" if r.open else "closed",
+                    "priority": r.priority,
+                    "tokens": r.tokens,
+                    "chain_pages": len(r.keys),
+                    "stored_pages": len(present),
+                    "restorable_pages": prefix,
+                    "bytes": sum(sizes.get((mid, k), 0) for k in r.keys),
+                    "last_use": r.last_use,
+                    "keys": r.keys,
+                }
+            )
+    return out

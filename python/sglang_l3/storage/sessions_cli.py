@@ -22,12 +22,9 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from sglang_l3.storage import index
 from sglang_l3.storage import sessions as table
 from sglang_l3.storage.cli import fmt_bytes, resolve_dir
-from sglang_l3.storage.safety import StoreDirs, UnsafeStoreError
-
-KV_POOL = "kv"
+from sglang_l3.storage.safety import StoreDirs
 
 
 def add_parser(subparsers: Any) -> None:
@@ -57,58 +54,6 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("id")
     s.add_argument("--model", help="model digest prefix or model name")
     p.set_defaults(func=run)
-
-
-def _rows(root: str, model: str | None) -> list[dict[str, Any]]:
-    scan = index.scan(root)
-    mids = index.match_model(scan, model) if model else None
-    sizes: dict[tuple[str, str], int] = {}
-    kv: set[tuple[str, str]] = set()
-    for p in scan.pages:
-        k = (p.name.mid, p.name.key)
-        sizes[k] = sizes.get(k, 0) + p.size
-        if p.name.pool == KV_POOL:
-            kv.add(k)
-    out: list[dict[str, Any]] = []
-    names = table.list_tables(root)
-    if not names:
-        return out
-    try:
-        dirs = StoreDirs(root, create=False)
-    except (UnsafeStoreError, OSError) as e:
-        return [{"table": root, "error": str(e)}]
-    with dirs:
-        tables = []
-        for name in names:
-            try:
-                tables.append(table.decode(table.read_table_bytes(dirs, name) or b"", None))
-            except (table.TableError, OSError) as e:
-                out.append({"table": dirs.path("models", name), "error": str(e)})
-    for mid, records in tables:
-        if mids is not None and mid not in mids:
-            continue
-        for r in records:
-            present = [k for k in r.keys if (mid, k) in kv]
-            prefix = 0
-            while prefix < len(r.keys) and (mid, r.keys[prefix]) in kv:
-                prefix += 1
-            out.append(
-                {
-                    "mid": mid,
-                    "model": scan.models.get(mid, {}).get("model", "?"),
-                    "id": r.id,
-                    "state": "open" if r.open else "closed",
-                    "priority": r.priority,
-                    "tokens": r.tokens,
-                    "chain_pages": len(r.keys),
-                    "stored_pages": len(present),
-                    "restorable_pages": prefix,
-                    "bytes": sum(sizes.get((mid, k), 0) for k in r.keys),
-                    "last_use": r.last_use,
-                    "keys": r.keys,
-                }
-            )
-    return out
 
 
 def _age(t: float) -> str:
@@ -183,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
         return 0
     root = resolve_dir(args.dir)
-    rows = _rows(root, getattr(args, "model", None))
+    rows = table.session_rows(root, getattr(args, "model", None))
     if cmd == "ls":
         if args.json:
             print(
