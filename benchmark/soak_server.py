@@ -1,6 +1,6 @@
 """Soak through real servers at TP=2 (the user's topology): agents with shared
-prefixes, random /flush_cache, aborts and injected single-rank storage faults,
-every answer compared with a TP=2 server that has no cache. Not a timed test:
+prefixes, random /flush_cache, aborts, injected single-rank storage faults and
+shared-prefix bursts, every answer compared with a TP=2 server that has no cache. Not a timed test:
 it prints counts, and its last line is exactly
 
     requests=N mismatches=M hangs=H restored_tokens=T rank_disagreements=D restored_vs_restorable=R/C
@@ -24,6 +24,13 @@ checkpoint: the agent's previous turn as computed (its input and its answer but 
 last token), floored to the 64-token Mamba checkpoint grid (a hybrid prefix is only
 restorable where a state is stored). R < C means L3 lost part of a turn it was given
 (issue 24: writes dropped as parent_not_stored).
+
+Bursts (issue 24; --p-burst of the plan's entries): a long prefix (4-8x the host
+staging buffer, on a device pool too short for two copies of it) is written to L3
+by one request, flushed from the device, then 2-4 requests sharing it are sent at
+once: the first one at once, the others as soon as the server logs that its
+streamed restore has started (or after 5 s), so they meet it in flight. Each
+burst request is one of the counted requests.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -41,17 +49,30 @@ from pathlib import Path
 
 VERIFY_FAIL = "TP ranks made different L3 restore decisions"
 CHECKPOINT = 64  # tokens: the Mamba state grid of the served model at page 64
+STREAM_START = re.compile(r"streamed restore req=\S+ start=")
 
 
-def workload(rng: random.Random, n: int, agents: int) -> list[tuple[int, list[int]]]:
-    """(agent, new user tokens) per request; agents share one of two system prompts."""
-    return [
-        (
-            rng.randrange(agents),
-            [rng.randrange(3, 1003) for _ in range(rng.randrange(24, 72))],
-        )
-        for _ in range(n)
-    ]
+def _tokens(rng: random.Random, lo: int, hi: int) -> list[int]:
+    return [rng.randrange(3, 1003) for _ in range(rng.randrange(lo, hi))]
+
+
+def workload(rng: random.Random, n: int, agents: int, p_burst: float, host: int) -> list[tuple]:
+    """Entries until n requests: ("turn", agent, new user tokens), agents sharing one of
+    two system prompts, or ("burst", prefix, writer tail, [2-4 tails]) of a fresh
+    prefix of 4-8x the host buffer (whole pages, so a hit can cover all of it)."""
+    plan: list[tuple] = []
+    count = 0
+    while count < n:
+        if rng.random() < p_burst and n - count >= 2:
+            length = rng.randrange(4 * host, 8 * host + 1) // 64 * 64
+            k = min(rng.randrange(2, 5), n - count)
+            prefix = [rng.randrange(3, 1003) for _ in range(length)]
+            plan.append(("burst", prefix, _tokens(rng, 8, 24), [_tokens(rng, 24, 72) for _ in range(k)]))
+            count += k
+        else:
+            plan.append(("turn", rng.randrange(agents), _tokens(rng, 24, 72)))
+            count += 1
+    return plan
 
 
 def main() -> int:
@@ -67,13 +88,20 @@ def main() -> int:
         default=640,
         help="tokens; a longer history starts over",
     )
-    ap.add_argument("--pool", type=int, default=1536, help="device KV tokens (small: evictions)")
+    ap.add_argument(
+        "--pool",
+        type=int,
+        default=2304,
+        help="device KV tokens (small: evictions; shorter than two copies of a burst's prefix)",
+    )
     ap.add_argument(
         "--hicache-ratio",
         type=float,
         default=None,
-        help="host staging buffer / device pool (default: the server's; 0.09 with --pool 4096 = 384 tokens)",
+        help="host staging buffer / device pool (default: --host-tokens / --pool; 0.09 with --pool 4096 = 384 tokens)",
     )
+    ap.add_argument("--host-tokens", type=int, default=256, help="host staging buffer without --hicache-ratio")
+    ap.add_argument("--p-burst", type=float, default=0.15, help="share of plan entries that are bursts")
     ap.add_argument("--p-flush", type=float, default=0.06)
     ap.add_argument("--p-fault", type=float, default=0.08)
     ap.add_argument("--p-abort", type=float, default=0.05)
@@ -83,6 +111,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from sglang_l3.testing.server import (
+        Generation,
         Server,
         ServerConfig,
         ServerError,
@@ -98,7 +127,11 @@ def main() -> int:
     store = work / "store"
     shutil.rmtree(store, ignore_errors=True)
     rng = random.Random(args.seed)
-    plan = workload(rng, args.requests, args.agents)
+    ratio = args.hicache_ratio or args.host_tokens / args.pool
+    host = int(ratio * args.pool) // 64 * 64  # the host buffer a burst's prefix is sized by
+    if host < 64 or 8 * host + 80 > args.pool:
+        ap.error("a burst context (4-8x the host buffer, at least one page) must fit the device pool")
+    plan = workload(rng, args.requests, args.agents, args.p_burst, host)
     systems = [prompt(9000 + i, 128) for i in range(2)]
 
     def config(with_store: bool) -> ServerConfig:
@@ -109,14 +142,14 @@ def main() -> int:
             chunked_prefill_size=256,
             page_size=64,
             prefetch_threshold=64 if with_store else None,
-            extra_args=["--hicache-ratio", str(args.hicache_ratio)] if with_store and args.hicache_ratio else [],
+            extra_args=["--hicache-ratio", f"{ratio:.6f}"] if with_store else [],
             env={"SGLANG_L3_VERIFY": "1"},
         )
 
     # ---------------------------------------------------------------- phase 1
-    inputs: list[list[int]] = []
-    refs = []
-    restorable: list[int] = []  # per request: the previous turn as computed, on the checkpoint grid
+    inputs: list = []  # per plan entry: a request's ids, or a burst's (writer, [ids])
+    refs: list = []  # per plan entry: a Generation, or a burst's list of them
+    restorable: list[int] = []  # per plan entry: the previous turn as computed, on the checkpoint grid
     history = {a: list(systems[a % 2]) for a in range(args.agents)}
     computed = {a: 0 for a in range(args.agents)}
     t0 = time.monotonic()
@@ -125,24 +158,36 @@ def main() -> int:
             f"no-cache TP={args.tp} server up ({time.monotonic() - t0:.0f}s); reference run",
             flush=True,
         )
-        for i, (agent, user) in enumerate(plan):
-            ids = history[agent] + user
-            g = plain.generate(ids, args.new_tokens, timeout=args.request_timeout)
-            inputs.append(ids)
-            refs.append(g)
-            restorable.append(min(computed[agent], len(ids) - 1) // CHECKPOINT * CHECKPOINT)
-            history[agent] = ids + g.output_ids
-            computed[agent] = len(ids) + len(g.output_ids) - 1  # the last token was sampled, never computed
-            if len(history[agent]) > args.max_history:
-                history[agent] = list(systems[agent % 2])
-                computed[agent] = 0
-            if (i + 1) % 50 == 0:
-                print(f"  reference {i + 1}/{len(plan)}", flush=True)
+        done = 0
+        for entry in plan:
+            before = done
+            if entry[0] == "burst":
+                _, prefix, wtail, tails = entry
+                burst = [prefix + t for t in tails]
+                inputs.append((prefix + wtail, burst, len(prefix)))
+                refs.append([plain.generate(ids, args.new_tokens, timeout=args.request_timeout) for ids in burst])
+                restorable.append(0)  # not a turn after a flush (counted in bursts= / burst_shared=)
+                done += len(burst)
+            else:
+                _, agent, user = entry
+                ids = history[agent] + user
+                g = plain.generate(ids, args.new_tokens, timeout=args.request_timeout)
+                inputs.append(ids)
+                refs.append(g)
+                restorable.append(min(computed[agent], len(ids) - 1) // CHECKPOINT * CHECKPOINT)
+                history[agent] = ids + g.output_ids
+                computed[agent] = len(ids) + len(g.output_ids) - 1  # the last token was sampled, never computed
+                if len(history[agent]) > args.max_history:
+                    history[agent] = list(systems[agent % 2])
+                    computed[agent] = 0
+                done += 1
+            if before // 50 != done // 50:
+                print(f"  reference {done}/{args.requests}", flush=True)
 
     # ---------------------------------------------------------------- phase 2
     requests = mismatches = hangs = restored = disagreements = 0
     flush_restored = flush_restorable = 0
-    flushes = faults = aborts = 0
+    flushes = faults = aborts = bursts = shared = 0
     max_dlogp = 0.0
     t1 = time.monotonic()
     server = Server(config(True), work / "hicache.log", startup_timeout=args.startup_timeout)
@@ -153,6 +198,29 @@ def main() -> int:
             flush=True,
         )
         for i, ids in enumerate(inputs):
+            if isinstance(ids, tuple):  # a burst
+                writer, burst, plen = ids
+                got = run_burst(
+                    server, store, writer, burst, plen, args.new_tokens, args.tp, args.request_timeout, get_hash_str
+                )
+                bursts += 1
+                for j, g in enumerate(got):
+                    if not isinstance(g, Generation):
+                        if VERIFY_FAIL in server.log_text():
+                            disagreements += 1
+                        else:
+                            hangs += 1
+                        print(f"  burst {i} request {j + 1}/{len(burst)}: {g!r}"[:400], flush=True)
+                        break
+                    requests += 1
+                    restored += g.cached_storage
+                    shared += j > 0 and g.cached_device >= plen
+                    bad, dlogp = compare(g, refs[i][j], f"burst {i} request {j + 1}/{len(burst)}")
+                    mismatches += bad
+                    max_dlogp = max(max_dlogp, dlogp)
+                else:
+                    continue
+                break
             r = rng.random()
             flushed = r < args.p_flush
             if flushed:
@@ -191,26 +259,23 @@ def main() -> int:
                 flush_restorable += restorable[i]
                 if g.cached_storage < restorable[i]:
                     print(f"  short restore request {i}: {g.cached_storage} of {restorable[i]}", flush=True)
-            want = refs[i]
-            dlogp = max((abs(x - y) for x, y in zip(g.logprobs, want.logprobs)), default=0.0)
+            bad, dlogp = compare(g, refs[i], f"request {i}")
+            mismatches += bad
             max_dlogp = max(max_dlogp, dlogp)
-            if g.output_ids != want.output_ids or dlogp > 0.0:
-                mismatches += 1
-                print(
-                    f"  MISMATCH request {i}: {g.output_ids} vs {want.output_ids} (dlogprob {dlogp:.3g}, {g.source})",
-                    flush=True,
-                )
             if (i + 1) % 50 == 0:
                 print(
-                    f"  soak {i + 1}/{len(inputs)}: restored_tokens={restored}",
+                    f"  soak entry {i + 1}/{len(inputs)}: requests={requests} restored_tokens={restored}",
                     flush=True,
                 )
-        disagreements = max(disagreements, server.log_text().count(VERIFY_FAIL))
+        text = server.log_text()
+        disagreements = max(disagreements, text.count(VERIFY_FAIL))
+        abandoned = text.count("l3_wait_abandoned")
     finally:
         server.stop()
     print(
         f"soak_server: tp={args.tp} agents={args.agents} seed={args.seed} flushes={flushes} "
-        f"faults={faults} aborts={aborts} max_logprob_diff={max_dlogp:.3g} "
+        f"faults={faults} aborts={aborts} bursts={bursts} burst_shared={shared} "
+        f"wait_abandoned={abandoned} max_logprob_diff={max_dlogp:.3g} "
         f"reference {t1 - t0:.0f}s, soak {time.monotonic() - t1:.0f}s, logs in {work}"
     )
     print(
@@ -219,7 +284,76 @@ def main() -> int:
         f"restored_vs_restorable={flush_restored}/{flush_restorable}",
         flush=True,
     )
-    return 1 if (mismatches or hangs or disagreements or requests < len(inputs)) else 0
+    return 1 if (mismatches or hangs or disagreements or abandoned or requests < args.requests) else 0
+
+
+def compare(g, want, what: str) -> tuple[int, float]:
+    """(1 if the answer differs from the no-cache one, largest logprob difference)."""
+    dlogp = max((abs(x - y) for x, y in zip(g.logprobs, want.logprobs)), default=0.0)
+    if g.output_ids != want.output_ids or dlogp > 0.0:
+        print(f"  MISMATCH {what}: {g.output_ids} vs {want.output_ids} (dlogprob {dlogp:.3g}, {g.source})", flush=True)
+        return 1, dlogp
+    return 0, dlogp
+
+
+def stored(store: Path, ids: list[int], tp: int, get_hash_str) -> bool:
+    """KV of every page of `ids` on every rank, and a Mamba checkpoint at the last one."""
+    pages = store / "pages"
+    if not pages.is_dir():
+        return False
+    names = set(os.listdir(pages))
+    keys = get_hash_str(ids[: len(ids) // 64 * 64], None, page_size=64)
+    if not keys:
+        return False
+
+    def has(key: str, pool: str, rank: int) -> bool:
+        return any(n.startswith(f"{key}.{pool}-") and n.endswith(f".r{rank}of{tp}.bin") for n in names)
+
+    return all(all(has(k, "kv", r) for k in keys) and has(keys[-1], "mamba", r) for r in range(tp))
+
+
+def run_burst(
+    server,
+    store: Path,
+    writer: list[int],
+    burst: list[list[int]],
+    plen: int,
+    new_tokens: int,
+    tp: int,
+    timeout: float,
+    get_hash_str,
+) -> list:
+    """Write the prefix to L3 (the writer request), flush the device, then send the burst:
+    the first request, and the others once its streamed restore has started (5 s at most).
+    Returns per request a Generation or the exception (a hang: no answer within `timeout`)."""
+    server.generate(writer, new_tokens, timeout=timeout)
+    prefix = writer[:plen]
+    deadline = time.monotonic() + 60
+    while not stored(store, prefix, tp, get_hash_str) and time.monotonic() < deadline:
+        time.sleep(0.2)  # write-through is asynchronous; a prefix not in L3 in time just computes
+    server.flush_cache(timeout=timeout)
+    out: list = [None] * len(burst)
+
+    def send(j: int) -> threading.Thread:
+        def run() -> None:
+            try:
+                out[j] = server.generate(burst[j], new_tokens, timeout=timeout)
+            except Exception as e:  # noqa: BLE001 - reported as a hang by the caller
+                out[j] = e
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    mark = len(server.log_text())
+    threads = [send(0)]
+    until = time.monotonic() + 5
+    while not STREAM_START.search(server.log_text()[mark:]) and time.monotonic() < until:
+        time.sleep(0.05)
+    threads += [send(j) for j in range(1, len(burst))]
+    for t in threads:
+        t.join(timeout + 30)
+    return [g if g is not None else TimeoutError("no answer") for g in out]
 
 
 def fault(store: Path, ids: list[int], rng: random.Random, tp: int, get_hash_str) -> bool:

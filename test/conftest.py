@@ -29,6 +29,7 @@ def pytest_configure(config: pytest.Config) -> None:
         ("e2e", "starts a real SGLang server"),
         ("slow", "takes more than a few seconds"),
         ("aot", "ahead-of-time compiles Triton kernels for gfx1100 (no GPU needed)"),
+        ("l3_wait_abandoned_expected", "the test makes the L3 wait watchdog abandon a request on purpose"),
     ):
         config.addinivalue_line("markers", f"{name}: {doc}")
     if not _gpu_present():
@@ -128,6 +129,19 @@ def _order(rel: str) -> int:
         return SLOW_FIRST.index(rel)
     top = rel.split("/")[0]
     return len(SLOW_FIRST) + (_DIRS.index(top) if top in _DIRS else len(_DIRS))
+
+
+@pytest.fixture(autouse=True)
+def _no_l3_wait_abandoned(request: pytest.FixtureRequest):
+    """The L3 wait watchdog's counter must stay 0: a request abandoned by it waited
+    on L3 past its budget (a hang, ended). Servers' counters: tp2_e2e.generate."""
+    from sglang_l3 import metrics
+
+    before = metrics.get("l3_wait_abandoned")
+    yield
+    after = metrics.get("l3_wait_abandoned")
+    if after != before and request.node.get_closest_marker("l3_wait_abandoned_expected") is None:
+        pytest.fail(f"l3_wait_abandoned rose by {after - before}: a request waited on L3 past its budget")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

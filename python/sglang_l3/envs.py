@@ -48,7 +48,15 @@ _VARS = (
         "SGLANG_L3_VERIFY",
         "0",
         "1: the reanchor patch compares restored Mamba states tensor by tensor at "
-        "each load-back ack (forces a device sync)",
+        "each load-back ack (forces a device sync), TP ranks compare every restore decision, and the "
+        "l3-wait-watchdog recomputes a request stuck waiting on L3 (counter l3_wait_abandoned)",
+        "serving",
+    ),
+    EnvVar(
+        "SGLANG_L3_WAIT_MARGIN",
+        "30",
+        "seconds past its prefetch budget a request may wait on L3 while the scheduler is idle before the "
+        "l3-wait-watchdog (SGLANG_L3_VERIFY=1) logs every rank's state and recomputes it",
         "serving",
     ),
     EnvVar(
@@ -135,7 +143,9 @@ _VARS = (
         "unset",
         "fault injection for tests only: restore-fallback@RANK makes that TP rank alone fall back on its first "
         "restore, to prove SGLANG_L3_VERIFY=1 catches a rank disagreement; skip-load-fence removes the streamed "
-        "restore's fence on the forward stream, to prove the simulated-stream tests catch it; never set in production",
+        "restore's fence on the forward stream, to prove the simulated-stream tests catch it; stream-hold@PATH makes "
+        "streamed restores start no read while PATH exists (at most 120 s), to queue requests behind a stream in "
+        "flight; never set in production",
         "tests",
     ),
     EnvVar(

@@ -13,10 +13,11 @@ def without(request):
     """Negative control: run the test with the patch named by the indirect
     parameter removed from this process, then apply it again."""
     pid = request.param
-    spec = next(s for s in framework.load_series() if s.id == pid)
-    framework.undo(pid)
+    series = framework.load_series()
+    removed = framework.undo(pid)  # with the patches that require it
     yield pid
-    framework.apply_one(spec)
+    for rid in [pid, *removed]:
+        framework.apply_one(next(s for s in series if s.id == rid), series)
 
 
 # Every test of these files moves data through HiCache: it runs on the simulated

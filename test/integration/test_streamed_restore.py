@@ -293,8 +293,11 @@ def test_tight_device_pool_admits_with_the_row_credit(tmp_path, credit: bool) ->
         import sglang.srt.managers.schedule_policy as sp
 
         hooked = sp.PrefillAdder.add_one_req
-        if not credit:
-            sp.PrefillAdder.add_one_req = hooked.__sglang_l3_original__
+        if not credit:  # upstream's own, under streamed-restore's hook (and any stacked on it)
+            fn = hooked
+            while getattr(fn, "__sglang_l3_patch__", None) != "streamed-restore":
+                fn = fn.__sglang_l3_original__
+            sp.PrefillAdder.add_one_req = fn.__sglang_l3_original__
         try:
             batch = h.admit()
         finally:

@@ -67,6 +67,17 @@ def test_undo_keeps_a_patch_stacked_on_the_same_target(clean) -> None:
     assert fpt.Greeter().hello("x") == "hello x"
 
 
+def test_undo_removes_the_patches_that_require_it(clean) -> None:
+    # t-needs requires t-ok and stacks on its targets: re-applying it would re-apply
+    # t-ok (its requirement), so the negative control would silently keep t-ok
+    ok, needs = _spec("t-ok"), _spec("t-needs", requires=("t-ok",))
+    framework.apply_one(needs, [ok, needs])
+    assert fpt.Greeter().hello("x") == "hello x!!"
+    assert framework.undo("t-ok") == ["t-needs"]
+    assert not framework.is_applied("t-ok") and not framework.is_applied("t-needs")
+    assert fpt.Greeter().hello("x") == "hello x"
+
+
 def test_fingerprint_ignores_our_own_wrapper(clean) -> None:
     before = framework.fingerprint_path(TARGETS[0])
     framework.apply_one(_spec("t-ok"))

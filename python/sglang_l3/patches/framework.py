@@ -445,18 +445,34 @@ def _targets_of(ctx: PatchContext) -> set[tuple[int, str]]:
     return {(id(i.owner), i.attr) for i in ctx._installed if i.owner is not None}
 
 
-def undo(patch_id: str) -> None:
+def _dependants(patch_id: str, ids: list[str]) -> list[str]:
+    """The applied patches (in `ids`, application order) that require `patch_id`, directly or not."""
+    out: list[str] = []
+    for pid in ids:
+        if set(_STATUS[pid].spec.requires) & {patch_id, *out}:
+            out.append(pid)
+    return out
+
+
+def undo(patch_id: str) -> list[str]:
     """Remove an applied patch (tests' negative controls in one process).
 
     Patches applied later that hook one of the same targets wrap this patch's
     wrapper, and restoring this patch's original would drop them too: they are
     undone first and applied again afterwards, so only `patch_id` is removed.
+    Patches that require `patch_id` cannot stay without it (applying one applies
+    its requirements): they are removed too, and their ids returned, to apply
+    again after `patch_id`.
     """
     with _LOCK:
         ctx = _CONTEXTS.get(patch_id)
         if ctx is None:
             _STATUS.pop(patch_id, None)
-            return
+            return []
+        dependants = _dependants(patch_id, list(_CONTEXTS))
+        for pid in reversed(dependants):
+            _CONTEXTS.pop(pid).undo()
+            _STATUS.pop(pid, None)
         ids = list(_CONTEXTS)
         mine = _targets_of(ctx)
         stacked = [pid for pid in ids[ids.index(patch_id) + 1 :] if _targets_of(_CONTEXTS[pid]) & mine]
@@ -468,6 +484,7 @@ def undo(patch_id: str) -> None:
         _STATUS.pop(patch_id, None)
         for spec in specs:
             apply_one(spec)
+        return dependants
 
 
 def status() -> dict[str, PatchStatus]:

@@ -60,6 +60,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -396,7 +397,38 @@ def _start(pipe: Any, op: Any, hit_tokens: int) -> Stream | str | None:
     return s
 
 
+FAULT_ENV = "SGLANG_L3_TEST_FAULT"  # test-only: "stream-hold@PATH" (docs/operations.md)
+HOLD_S = 120.0
+_HOLD: dict[str, Any] = {"since": None, "parked": -1}
+
+
+def _held(pipe: Any) -> bool:
+    """Test-only fault stream-hold@PATH: streams start no read while PATH exists (at most
+    HOLD_S from when it was first seen), so a test can queue requests behind a stream in flight; each
+    change in the number of hits parked behind it is logged. The verdict is MAX-reduced
+    (host slots a read takes feed later decisions: every rank must launch alike)."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec.startswith("stream-hold@"):
+        return False
+    held = os.path.exists(spec.split("@", 1)[1])
+    if not held:
+        _HOLD["since"] = None
+    elif _HOLD["since"] is None:
+        _HOLD["since"] = time.monotonic()
+    held = held and time.monotonic() - _HOLD["since"] < HOLD_S
+    t = torch.tensor([int(held)], dtype=torch.int32)
+    pipe._cache._all_reduce(t, torch.distributed.ReduceOp.MAX)
+    held = bool(t.item())
+    parked = len(pipe.pending_hit_allocs)
+    if held and parked != _HOLD["parked"]:
+        logger.warning("streamed restore held by %s: hits parked=%d", FAULT_ENV, parked)
+    _HOLD["parked"] = parked if held else -1
+    return held
+
+
 def _launch_reads(pipe: Any, s: Stream) -> None:
+    if _held(pipe):
+        return
     cc = pipe._cache.cache_controller
     page = pipe._cache.page_size
     total = len(s.keys)

@@ -1,0 +1,253 @@
+"""Issue 24 through real servers: two and three requests for one long prefix that is in
+L3 only, the later ones arriving while the first one's streamed restore is in flight,
+on a device pool too short for two copies of the prefix. Before patch `stream-share`
+the second request started a second, truncated restore (`truncated_device`), the
+first one's staged hold was dropped after 32 deferrals, and neither was ever answered.
+
+The issue's settings: page 64, `--max-total-tokens 4096`, a 384-token host buffer
+(`--hicache-ratio 0.09`), a 2176-token prefix written to L3 and flushed from the
+device, X1/X2/X3 of 2374/2394/2414 tokens; TP=1 and TP=2, each prefetch policy. The
+test fault `SGLANG_L3_TEST_FAULT=stream-hold@GATE` holds X1's stream (no piece read)
+until the server logs that the other requests' hits are parked behind it, so they
+always meet it in flight. Every answer (tokens and logprobs) must equal a no-cache
+server's of the same TP size; X1 restores the prefix from L3 and X2/X3 share it from
+the device tree (not with `best_effort`, which stops a stream at its first poll and
+recomputes); SGLANG_L3_VERIFY=1 (ranks compare every restore; the L3 wait watchdog
+must never fire). `test_tp2_watchdog_ends_the_hang`: with `stream-share` disabled the
+hang is back, and the watchdog (SGLANG_L3_VERIFY=1, a 5 s margin) ends it on both
+ranks alike, logging both ranks' state; the answers are still right.
+
+Servers: per TP one no-cache reference (stopped once its answers are taken), then one
+L3 server per case over one store (the first writes the prefix): all three policies at
+TP=1, `timeout` (the default) and `wait_complete` at TP=2, plus the watchdog's. One TP=2 server at
+a time (two shared cores).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from l3_e2e import PAGE_SIZE, PREFETCH_THRESHOLD, STARTUP_TIMEOUT
+from sglang_l3.testing.server import Generation, Server, ServerConfig, prompt
+from tp2_e2e import DEVICE, REQUEST_TIMEOUT, TEST_BOUND, Hang, bounded, flush, generate, page_keys, same_output
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+POOL = 4096
+HOST_RATIO = 0.09  # host KV pool 384 tokens
+CHUNK = 256
+PREFIX = prompt(24, 2176)
+WRITER = PREFIX + prompt(25, 40)  # computing it writes KV and Mamba checkpoints up to 2176
+# X1, X2(, X3) of 2374, 2394(, 2414) tokens; a burst's own tails: its requests' pages written
+# through by an earlier burst would make a later one's hit longer than the prefix
+BURSTS = {n: [PREFIX + prompt(10 * n + i, 198 + 20 * i) for i in range(n)] for n in (2, 3)}
+NEW = 8
+POLICIES = ("best_effort", "wait_complete", "timeout")
+WATCHDOG = "l3_wait_abandoned"
+VERIFY_FAIL = "TP ranks made different L3 restore decisions"
+STREAM_START = re.compile(r"streamed restore req=(\S+) start=")
+
+
+class Burst:
+    """Per TP size: the reference answers and the store the L3 servers share."""
+
+    def __init__(self, root: Path, tp: int):
+        self.root, self.tp = root, tp
+        self.snapshot = root / "prefix-store"  # the prefix alone, copied for every L3 server
+        self.gate = root / "stream-hold.gate"
+        self.ref: dict[int, list[Generation]] = {}
+
+    def store(self, name: str) -> Path:
+        """A fresh store for one server: a copy of the prefix-only store once it exists."""
+        store = self.root / f"store-{name}"
+        shutil.rmtree(store, ignore_errors=True)
+        if self.snapshot.is_dir():
+            shutil.copytree(self.snapshot, store)
+        return store
+
+    def config(self, store: Path | None, policy: str = "timeout", env: dict | None = None) -> ServerConfig:
+        extra = ["--hicache-ratio", str(HOST_RATIO), "--hicache-storage-prefetch-policy", policy] if store else []
+        return ServerConfig(
+            storage_dir=str(store) if store else None,
+            device=DEVICE,
+            tp_size=self.tp,
+            max_total_tokens=POOL,
+            chunked_prefill_size=CHUNK,
+            page_size=PAGE_SIZE,
+            prefetch_threshold=PREFETCH_THRESHOLD if store else None,
+            # the `timeout` budget a loaded 2-core box cannot miss (the hang is not a deadline)
+            storage_extra_config={"prefetch_timeout_base": 600} if store and policy == "timeout" else {},
+            extra_args=extra,
+            overlap_schedule=store is not None,  # the no-cache reference schedules without overlap
+            env={"SGLANG_L3_VERIFY": "1", "SGLANG_L3_TEST_FAULT": f"stream-hold@{self.gate}", **(env or {})},
+        )
+
+    def reference(self) -> dict[int, list[Generation]]:
+        if not self.ref:
+            with Server(self.config(None), self.root / "nocache.log", startup_timeout=STARTUP_TIMEOUT) as s:
+                with bounded(TEST_BOUND, f"no-cache TP={self.tp} reference", lambda: [s]):
+                    for n, xs in BURSTS.items():
+                        self.ref[n] = [generate(s, ids, NEW, f"reference X{i + 1}/{n}") for i, ids in enumerate(xs)]
+            assert all(len(set(g.output_ids)) > 1 for gs in self.ref.values() for g in gs), "degenerate weights"
+        return self.ref
+
+    def stored(self, store: Path) -> bool:
+        """KV of every prefix page and the Mamba checkpoint at its end, on every rank."""
+        pages = store / "pages"
+        if not pages.is_dir():
+            return False
+        names = set(os.listdir(pages))
+        keys = page_keys(PREFIX, PAGE_SIZE)
+
+        def has(key: str, pool: str, rank: int) -> bool:
+            return any(n.startswith(f"{key}.{pool}-") and n.endswith(f".r{rank}of{self.tp}.bin") for n in names)
+
+        return all(
+            all(has(k, "kv", r) for k in keys) and has(keys[-1], "mamba", r) for r in range(self.tp)
+        )  # fmt: skip
+
+    def write_prefix(self, s: Server, store: Path) -> None:
+        """The first L3 server writes the prefix (then snapshotted); later ones start with it."""
+        if not self.snapshot.is_dir():
+            generate(s, WRITER, NEW, "writer")
+            deadline = time.monotonic() + 300
+            while not self.stored(store):
+                assert time.monotonic() < deadline, "the prefix never reached L3"
+                time.sleep(0.5)
+            tmp = self.root / "prefix-store.tmp"
+            shutil.copytree(store, tmp)
+            os.replace(tmp, self.snapshot)
+        assert self.stored(store)
+
+
+_BURSTS: dict[int, Burst] = {}
+
+
+@pytest.fixture
+def burst(request, tmp_path_factory, hash_extension_built) -> Burst:
+    from sglang_l3.cpu import accelerator_present
+
+    tp = request.param
+    if DEVICE == "cpu" and accelerator_present():
+        pytest.skip("cpu-serving patches are not applicable next to an accelerator")
+    if DEVICE != "cpu":
+        import torch
+
+        if torch.cuda.device_count() < tp:
+            pytest.skip(f"TP={tp} on {DEVICE} needs {tp} GPUs")
+    if tp not in _BURSTS:
+        _BURSTS[tp] = Burst(tmp_path_factory.mktemp(f"burst-tp{tp}"), tp)
+    return _BURSTS[tp]
+
+
+def _send(s: Server, ids: list[int], what: str, out: dict, key: int) -> threading.Thread:
+    def run() -> None:
+        try:
+            out[key] = s.generate(ids, NEW, timeout=REQUEST_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - reported by the caller with the log
+            out[key] = e
+
+    t = threading.Thread(target=run, name=what, daemon=True)
+    t.start()
+    return t
+
+
+def _wait_log(s: Server, mark: int, pattern: str, what: str, seconds: float = 180.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not re.search(pattern, s.log_text()[mark:]):
+        if not s.alive() or time.monotonic() > deadline:
+            raise Hang(f"{what}: no log line /{pattern}/ within {seconds:.0f} s\n{s.log_tail(80)}")
+        time.sleep(0.1)
+
+
+def run_burst(b: Burst, s: Server, n: int, policy: str, *, streamed: bool = True) -> list[Generation]:
+    """Flush, then X1 and, once its stream is held in flight with n hits parked, X2..Xn."""
+    flush(s, f"flush before the burst of {n}")
+    xs = BURSTS[n]
+    mark = len(s.log_text())
+    b.gate.touch()
+    out: dict = {}
+    threads = [_send(s, xs[0], "X1", out, 0)]
+    try:
+        if streamed:
+            _wait_log(s, mark, r"streamed restore req=\S+ start=", "X1's stream to start")
+        threads += [_send(s, xs[i], f"X{i + 1}", out, i) for i in range(1, n)]
+        if streamed:
+            _wait_log(s, mark, rf"hits parked={n}\b", f"{n - 1} more hits parked behind X1's stream")
+    finally:
+        b.gate.unlink(missing_ok=True)
+    for t in threads:
+        t.join(REQUEST_TIMEOUT + 30)
+    for i in range(n):
+        g = out.get(i)
+        if not isinstance(g, Generation):
+            raise Hang(f"burst of {n} ({policy}): X{i + 1} not answered: {g!r}\n{s.log_tail(120)}")
+    return [out[i] for i in range(n)]
+
+
+# every policy at TP=1; at TP=2 (two rank processes on two shared cores: slow starts) the
+# default `timeout` and `wait_complete` (the policies the issue reproduced the hang with)
+CASES = [pytest.param(1, p, id=f"tp1-{p}") for p in POLICIES] + [
+    pytest.param(2, p, id=f"tp2-{p}") for p in ("timeout", "wait_complete")
+]
+
+
+@pytest.mark.parametrize(("burst", "policy"), CASES, indirect=["burst"])
+def test_burst_on_one_l3_prefix(burst: Burst, policy: str) -> None:
+    ref = burst.reference()
+    streamed = policy != "best_effort"  # best_effort stops a stream at its first admission poll
+    store = burst.store(policy)
+    cfg = burst.config(store, policy)
+    log = burst.root / f"l3-{policy}.log"
+    with Server(cfg, log, startup_timeout=STARTUP_TIMEOUT) as s:
+        with bounded(TEST_BOUND * 2, f"bursts at TP={burst.tp}, {policy}", lambda: [s]):
+            burst.write_prefix(s, store)
+            for n in BURSTS:
+                mark = len(s.log_text())
+                got = run_burst(burst, s, n, policy, streamed=streamed)
+                text = s.log_text()[mark:]
+                for i, g in enumerate(got):
+                    same_output(g, ref[n][i], f"X{i + 1} of a burst of {n} (TP={burst.tp}, {policy}) vs no-cache")
+                if streamed:
+                    assert got[0].cached_storage == len(PREFIX), (got[0].meta, "X1 restores the prefix")
+                    for i, g in enumerate(got[1:], 2):
+                        assert g.cached_device >= len(PREFIX) and g.cached_storage == 0, (i, g.meta)
+                    assert len(STREAM_START.findall(text)) == 1, "one stream per burst: the others share it"
+                    assert "streamed restore truncated" not in text
+                    assert re.search(r"streamed restore req=\S+ waits for req=", text)
+                assert WATCHDOG not in text, s.log_tail(80)
+                assert VERIFY_FAIL not in text
+        assert s.alive()
+
+
+@pytest.mark.parametrize("burst", (2,), ids=("tp2",), indirect=True)
+def test_tp2_watchdog_ends_the_hang(burst: Burst) -> None:
+    """Negative control and watchdog: without stream-share the burst of two hangs; with
+    SGLANG_L3_VERIFY=1 the watchdog abandons the stuck wait after the budget + a 5 s margin
+    on both ranks in the same pass, and every answer is still the no-cache server's."""
+    ref = burst.reference()
+    env = {"SGLANG_L3_DISABLE": "stream-share", "SGLANG_L3_WAIT_MARGIN": "5"}
+    store = burst.store("watchdog")
+    cfg = burst.config(store, "wait_complete", env)
+    with Server(cfg, burst.root / "watchdog.log", startup_timeout=STARTUP_TIMEOUT) as s:
+        with bounded(TEST_BOUND * 2, "watchdog at TP=2", lambda: [s]):
+            burst.write_prefix(s, store)
+            mark = len(s.log_text())
+            got = run_burst(burst, s, 2, "wait_complete")
+        text = s.log_text()[mark:]
+        for i, g in enumerate(got):
+            same_output(g, ref[2][i], f"X{i + 1} after the watchdog (TP=2) vs no-cache")
+        assert "streamed restore truncated" in text, "the hang's precondition did not occur"
+        lines = [ln for ln in text.splitlines() if WATCHDOG in ln]
+        assert lines, f"the watchdog did not fire\n{s.log_tail(80)}"
+        # one decision, taken by both ranks in the same pass, each line naming both ranks' state
+        assert all("TP rank 0:" in ln and "TP rank 1:" in ln for ln in lines), lines
+        rids = [re.search(r"req=(\S+)", ln).group(1) for ln in lines]
+        assert len(rids) == 2 and len(set(rids)) == 1, lines
+        assert VERIFY_FAIL not in text

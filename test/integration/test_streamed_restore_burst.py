@@ -1,0 +1,176 @@
+"""Issue 24: two or three requests for one long L3 prefix, the later ones arriving
+while the first one's streamed restore is in flight, on a device pool too short for
+two copies of the prefix (`l3_stream_restore{truncated_device}` before the fix).
+
+Real upstream stack on CPU (`L3Stack`) and the real admission path
+(`SchedulerHarness`), the server's sizes: page 64, device pool 4096, host buffer
+384 tokens, a 2176-token prefix in L3 only (checkpoints at 1792 and 2176), requests of
+2374 / 2394 / 2414 tokens. Every request must be answered within a bounded number of
+scheduler passes, share the prefix the first one restores, and hold the right KV.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sglang_l3 import metrics
+from sglang_l3.patches import framework
+from sglang_l3.patches.streamed_restore import lane_of
+
+from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack, wait_for_work
+
+PAGE = 64
+POOL = 4096
+PREFIX = 2176
+HOST_RATIO = 384 / POOL
+MAX_PASSES = 600  # a pass restores a piece or computes a chunk; a few hundred is plenty
+
+
+def _write_prefixes(tmp_path, core: str, seqs: list[list[int]]) -> None:
+    spec = HybridSpec(page_size=PAGE, kv_size=8192, max_context_len=4096)
+    with L3Stack(spec, str(tmp_path), tree_core=core, server_args={"hicache_ratio": 0.25}) as w:
+        for seq in seqs:
+            w.write(seq[:1792], marker=3.0)
+            w.write(seq[:PREFIX], marker=4.0)
+        w.settle()
+        assert not w.cache.buffer_pipeline.inflight_backup_pools
+
+
+def drive(h, reqs: list, passes: int = MAX_PASSES, after_pass=None) -> dict:
+    """Scheduler loop stand-in: events, retries, admission, a forward, finish
+    (`after_pass(idle)` runs after each admission, where the watchdog hooks in).
+    Returns {rid: (prefix_len at admission, KV rows matched what a model writes)}."""
+    st = h.stack
+    out: dict = {}
+    for _ in range(passes):
+        h.s._process_hicache_events()
+        h.stash_chunk()
+        batch = h.admit()
+        if after_pass is not None:
+            after_pass(batch is None)
+        if batch is not None:
+            for r in batch.reqs:
+                out.setdefault(r.rid, r.prefix_len)
+            h.forward(batch)
+            for r in batch.reqs:
+                if r is not h.s.chunked_req:
+                    n = len(r.origin_input_ids)
+                    rows = st.req_to_token_pool.req_to_token[r.kv.req_pool_idx, :n].long()
+                    k, v = st.expected_kv(list(r.origin_input_ids))
+                    layer = st.kv_pool.start_layer
+                    ok = st.kv_pool.get_key_buffer(layer)[rows].equal(k)
+                    ok = ok and st.kv_pool.get_value_buffer(layer)[rows].equal(v)
+                    out[r.rid] = (out[r.rid], ok)
+                    h.finish(r)
+        if all(isinstance(out.get(r.rid), tuple) for r in reqs):
+            return out
+        wait_for_work(st.cache)
+    pipe = st.cache.buffer_pipeline
+    raise AssertionError(
+        f"not every request was admitted within {passes} passes (hang): done={out}, "
+        f"waiting={[r.rid for r in h.s.waiting_queue]}, streams="
+        f"{[(s.handle.rid, s.state, len(s.rows)) for s in lane_of(pipe).streams.values()]}, "
+        f"staged={[k.rid for k in pipe.staged_prefetches]}, free={st.allocator.available_size()}"
+    )
+
+
+def _burst(tmp_path, core: str, n: int, shared: bool, after_pass=None, passes: int = MAX_PASSES) -> tuple[dict, dict]:
+    """X1 arrives, its stream starts, X2..Xn arrive; every request served. Returns
+    ({rid: (prefix at admission, KV right)}, counter deltas)."""
+    from sglang_l3.testing.scheduler_harness import SchedulerHarness
+
+    seqs = [list(range(5, 5 + PREFIX)), list(range(20_000, 20_000 + PREFIX))]
+    _write_prefixes(tmp_path, core, seqs if not shared else seqs[:1])
+    spec = HybridSpec(page_size=PAGE, kv_size=POOL, max_context_len=4096)
+    with L3Stack(spec, str(tmp_path), tree_core=core, server_args={"hicache_ratio": HOST_RATIO}) as st:
+        cc = st.cache.cache_controller
+        cc.prefetch_capacity_limit = int(0.9 * cc.mem_pool_host.size)
+        assert 4 * cc.mem_pool_host.size < PREFIX
+        st.scribble()
+        h = SchedulerHarness(st, chunked_prefill_size=256)
+        pipe = st.cache.buffer_pipeline
+        c0 = metrics.snapshot()
+        reqs = [
+            h.make_req(seqs[i % 2 if not shared else 0] + list(range(7000 + 100 * i, 7198 + 120 * i)), f"X{i + 1}", 8)
+            for i in range(n)
+        ]
+        h.arrive(reqs[0])
+        h.pump(lambda: reqs[0].cache_request_handle in lane_of(pipe).streams, "X1's stream to start")
+        for r in reqs[1:]:
+            h.arrive(r)
+        got = drive(h, reqs, passes, None if after_pass is None else lambda idle: after_pass(h, idle))
+        c1 = metrics.snapshot()
+        delta = {k: c1.get(k, 0) - c0.get(k, 0) for k in c1 if c1.get(k, 0) != c0.get(k, 0)}
+        for r in reqs:
+            assert got[r.rid][1], f"{r.rid}: KV differs from what the model would compute"
+        st.settle()
+        st.evict_all()
+        st.settle()
+        assert not lane_of(pipe).streams
+        assert cc.prefetch_tokens_occupied == 0
+        st.cache.sanity_check()
+        assert st.pool_sizes() == st.baseline, "a pool did not return to its baseline"
+    return got, delta
+
+
+@pytest.mark.parametrize("core", TREE_CORES)
+@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("shared", (True, False), ids=("one-prefix", "two-prefixes"))
+def test_burst_is_served(tmp_path, core: str, n: int, shared: bool) -> None:
+    """One prefix: X1 restores it (one stream, never truncated), X2/X3 wait for it and
+    share it from the tree. Two prefixes (X1, X3 on A, X2 on B): X2's stream is cut to
+    what the pool has left beside X1's and yields its rows when X1 cannot be admitted."""
+    got, delta = _burst(tmp_path, core, n, shared)
+    assert got["X1"][0] == PREFIX, got
+    assert delta.get("l3_stream_restore{restored}") == 1, delta
+    assert not delta.get("l3_wait_abandoned"), delta
+    if shared:
+        assert all(got[f"X{i + 1}"][0] == PREFIX for i in range(n)), got
+        assert delta.get("l3_stream_restore{started}") == 1, delta
+        assert delta.get("l3_stream_restore{wait_shared}") == 1, delta
+        assert not delta.get("l3_stream_restore{truncated_device}"), delta
+    else:
+        assert delta.get("l3_stream_yield") == 1, delta
+
+
+@pytest.mark.parametrize("shared", (True, False), ids=("one-prefix", "two-prefixes"))
+def test_without_the_fix_the_burst_hangs(tmp_path, monkeypatch, shared: bool) -> None:
+    """Negative control: with stream-share undone (one prefix) or its yield disabled
+    (two prefixes) X1 waits at the head of the queue for rows X2's staged stream holds."""
+    import sglang_l3.patches.stream_share as ss
+
+    if shared:
+        framework.undo("stream-share")
+    else:
+        monkeypatch.setattr(ss, "yield_rows", lambda pipe, head: 0)
+    try:
+        with pytest.raises(AssertionError, match="hang"):
+            _burst(tmp_path, "rust", 2, shared, passes=200)
+    finally:
+        if shared:
+            framework.apply_one(next(s for s in framework.load_series() if s.id == "stream-share"))
+    assert framework.is_applied("stream-share")
+
+
+@pytest.mark.l3_wait_abandoned_expected
+def test_watchdog_ends_the_hang(tmp_path, monkeypatch) -> None:
+    """The watchdog (SGLANG_L3_VERIFY=1 in a server; called directly here) with the fix
+    undone: X2 waits on L3 (its staged stream) past budget + margin on an idle
+    scheduler; it is abandoned, its rows come back, X1 and then X2 are computed right."""
+    from sglang_l3.patches import l3_wait_watchdog as wd
+
+    monkeypatch.setenv(wd.MARGIN_ENV, "0.5")
+    abandoned: list = []
+
+    def watch(h, idle: bool) -> None:
+        h.stack.cache.prefetch_timeout_base = 0.0
+        h.stack.cache.prefetch_timeout_per_page = 0.0
+        abandoned.extend(wd.check(h.s, idle))
+
+    framework.undo("stream-share")
+    try:
+        got, delta = _burst(tmp_path, "rust", 2, True, after_pass=watch, passes=5000)
+    finally:
+        framework.apply_one(next(s for s in framework.load_series() if s.id == "stream-share"))
+    assert abandoned == ["X2"], abandoned
+    assert delta.get("l3_wait_abandoned") == 1, delta
+    assert got["X1"][0] == 0 and got["X2"][0] in (0, PREFIX), got  # X1 recomputed (its hold was dropped)
