@@ -13,6 +13,9 @@ How, per entry:
   copies are replaced by the torch ports in sglang_l3.cpu_serving.
 - cpu-qwen3next-ops: the Triton qkvzba split and the gated RMSNorm forward are
   replaced by torch versions (sglang_l3.cpu_serving.ops).
+- cpu-qwen35-ops: Qwen3.5's Triton contiguous qkvzba split, the gated RMSNorm
+  forward (fla.layernorm_gated.RMSNorm) and the attention output gate
+  (fused_sigmoid_mul, strided 3-D gate) are replaced by torch versions.
 - cpu-moe-gate: the Triton shared-expert gate (fused_gate_sigmoid_mul[_add]) is
   replaced by a torch version.
 - cpu-device-module: AROUND Qwen3GatedDeltaNet.__init__, torch.get_device_module()
@@ -37,6 +40,7 @@ from sglang_l3.patches.framework import PatchContext
 _GDN = "sglang.srt.layers.attention.linear.gdn_backend"
 _HLAB = "sglang.srt.layers.attention.hybrid_linear_attn_backend"
 _QWEN3_NEXT = "sglang.srt.models.qwen3_next"
+_QWEN3_5 = "sglang.srt.models.qwen3_5"
 
 
 def applicable() -> str | None:
@@ -75,6 +79,22 @@ def _qwen3next_ops(ctx: PatchContext) -> None:
         "sglang.kernels.ops.attention.fla.fused_norm_gate:FusedRMSNormGated.forward",
         fused_rms_norm_gated_forward,
     )
+
+
+def _qwen35_ops(ctx: PatchContext) -> None:
+    from sglang_l3.cpu_serving import ops
+
+    # the names qwen3_5.py bound at import (the GDN backend binds its own copy of
+    # the split only on CUDA/HIP/XPU)
+    ctx.replace(f"{_QWEN3_5}:fused_qkvzba_split_reshape_cat_contiguous", ops.fused_qkvzba_split_reshape_cat_contiguous)
+    ctx.replace(f"{_QWEN3_5}:fused_sigmoid_mul", ops.fused_sigmoid_mul)
+
+    def rms_norm_gated_forward(self, x, z=None):
+        return ops.layernorm_gated_rms(
+            x, self.weight, self.bias, z, self.eps, self.group_size, self.norm_before_gate, self.activation
+        )
+
+    ctx.replace("sglang.kernels.ops.attention.fla.layernorm_gated:RMSNorm.forward", rms_norm_gated_forward)
 
 
 @contextlib.contextmanager
@@ -162,6 +182,7 @@ def _tp_gloo(ctx: PatchContext) -> None:
 _APPLY: dict[str, Callable[[PatchContext], None]] = {
     "cpu-gdn-torch": _gdn_torch,
     "cpu-qwen3next-ops": _qwen3next_ops,
+    "cpu-qwen35-ops": _qwen35_ops,
     "cpu-moe-gate": _moe_gate,
     "cpu-device-module": _device_module,
     "cpu-rope-native": _rope_native,

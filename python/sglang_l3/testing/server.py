@@ -1,5 +1,7 @@
-"""Start, talk to and stop a real `python -m sglang.launch_server` serving the
-packaged tiny Qwen3-Next (used by `python -m sglang_l3.testing.demo_server` and test/e2e).
+"""Start, talk to and stop a real `python -m sglang.launch_server` serving one of
+the packaged tiny hybrid models (`ServerConfig.model`: tiny Qwen3-Next by default,
+tiny Qwen3.5 multimodal or text-only) or a model directory (used by
+`python -m sglang_l3.testing.demo_server` and test/e2e).
 
 Nothing here changes the server's behaviour: it builds the command line, waits
 for the server to be ready, sends HTTP requests with input ids
@@ -32,7 +34,15 @@ from typing import Any
 
 import sglang_l3
 
-TINY_MODEL_DIR = Path(sglang_l3.__file__).resolve().parent / "models" / "tiny-qwen3next"
+MODELS_DIR = Path(sglang_l3.__file__).resolve().parent / "models"
+# the packaged tiny models (`--load-format dummy`; docs/state-budget.md, "The tiny models"):
+#   tiny-qwen3next    Qwen3NextForCausalLM (Gated-DeltaNet hybrid, MoE)
+#   tiny-qwen35       Qwen3_5ForConditionalGeneration (the user's architecture: hybrid text
+#                     backbone with Qwen3.5-27B's ratios + vision tower; tokenizer, processors)
+#   tiny-qwen35-text  Qwen3_5ForCausalLM (text-only Qwen3.5; tokenizer)
+PACKAGED_MODELS = ("tiny-qwen3next", "tiny-qwen35", "tiny-qwen35-text")
+DEFAULT_MODEL = "tiny-qwen3next"
+TINY_MODEL_DIR = MODELS_DIR / DEFAULT_MODEL
 READY_LINE = "The server is fired up"
 BIND_ERROR = "error while attempting to bind on address"
 
@@ -64,6 +74,27 @@ def warm_hicache_hash_extension() -> None:
     _load_native_hash_module()
 
 
+def model_dir(model: str | os.PathLike) -> Path:
+    """A packaged model name (PACKAGED_MODELS) -> its directory; anything else is a
+    path to a model directory (a ServerError when it has no config.json)."""
+    if str(model) in PACKAGED_MODELS:
+        return MODELS_DIR / str(model)
+    path = Path(model).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise ServerError(
+            f"model {str(model)!r} is neither a packaged model ({', '.join(PACKAGED_MODELS)}) "
+            "nor a directory with a config.json"
+        )
+    return path
+
+
+def text_config(model: str | os.PathLike) -> dict[str, Any]:
+    """The model's text-backbone config.json fields (`text_config` of a multimodal
+    config, else the config itself): vocab_size, layer geometry."""
+    cfg = json.loads((model_dir(model) / "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
+
 def omp_threads_bind(ranks: int) -> str:
     """SGLANG_CPU_OMP_THREADS_BIND for `ranks` CPU ranks: this process's cores split
     into contiguous ranges, one per rank ("0|1" on two cores); with fewer cores than
@@ -80,8 +111,16 @@ def omp_threads_bind(ranks: int) -> str:
 
 @dataclass
 class ServerConfig:
-    """What the CPU L3 server is started with (defaults: the demo/e2e settings)."""
+    """What the CPU L3 server is started with (defaults: the demo/e2e settings).
 
+    `model`: a packaged model name — "tiny-qwen3next" (default), "tiny-qwen35"
+    (`Qwen3_5ForConditionalGeneration`, multimodal), "tiny-qwen35-text"
+    (`Qwen3_5ForCausalLM`) — or a path to a model directory; served with
+    `--load-format dummy` (seeded per-parameter weights for the packaged ones).
+    `skip_tokenizer_init`: requests carry input ids (the default); False loads the
+    model's tokenizer (and processor) so text, chat and images can be sent."""
+
+    model: str = DEFAULT_MODEL
     storage_dir: str | None = None  # None (and backend "file"): no HiCache at all
     # --hicache-storage-backend; "mooncake" joins the store named by storage_extra_config
     # (e.g. sglang_l3.testing.mooncake.MooncakeCluster.extra_config()), no storage_dir needed
@@ -95,6 +134,7 @@ class ServerConfig:
     page_size: int | None = None
     prefetch_threshold: int | None = None
     tp_size: int = 1  # --tp-size; on CPU each rank is a process (gloo, patch cpu-tp-gloo)
+    skip_tokenizer_init: bool = True
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -115,10 +155,10 @@ class ServerConfig:
     def args(self, port: int) -> list[str]:
         a = [
             "--model-path",
-            str(TINY_MODEL_DIR),
+            str(model_dir(self.model)),
             "--load-format",
             "dummy",
-            "--skip-tokenizer-init",
+            *(["--skip-tokenizer-init"] if self.skip_tokenizer_init else []),
             "--device",
             self.device,
             "--host",
