@@ -70,14 +70,17 @@ test-upstream: install
 	$(PY) test/run_suite.py --suite upstream
 
 # The cache stack on CPU (agents → L3 → evict → restore, bit-exact table), then
-# the tiny hybrid model served on CPU with L3 (per-turn prefix source and TTFT).
+# a tiny hybrid model served on CPU with L3 (per-turn prefix source and TTFT);
+# `make demo MODEL=tiny-qwen35` serves the tiny Qwen3.5 (the user's architecture).
 demo: demo-stack demo-server
 
 demo-stack: install
 	$(PY) -m sglang_l3.testing.demo --store ./l3-store/stack
 
+# MODEL: a packaged tiny model (tiny-qwen3next, tiny-qwen35, tiny-qwen35-text) or a model directory
+MODEL ?= tiny-qwen3next
 demo-server: install
-	$(PY) -m sglang_l3.testing.demo_server --store ./l3-store/server
+	$(PY) -m sglang_l3.testing.demo_server --model $(MODEL) --store ./l3-store/server-$(notdir $(MODEL))
 
 bench: install
 	$(PY) benchmark/storage_bench.py

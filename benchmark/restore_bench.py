@@ -23,7 +23,8 @@ num_hidden_layers / full_attention_interval, the rest Gated-DeltaNet (GDN); KV i
 bf16; the GDN temporal state fp32 (`mamba2_state_dtype`: config mamba_ssm_dtype
 "float32", also the default), the conv state bf16. The MTP layer
 (mtp_num_hidden_layers=1) is not counted: it holds state only with speculative
-decoding on.
+decoding on. The packaged tiny-qwen35 keeps the 27B's layer pattern, value/key head
+ratio and equal head dims at toy sizes (docs/state-budget.md, "The tiny models").
 
   Qwen3-Next-80B-A3B: num_hidden_layers=48, full_attention_interval=4 -> 12 full, 36 GDN;
     num_key_value_heads=2, head_dim=256; linear_num_key_heads=16,
@@ -76,7 +77,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -100,6 +101,13 @@ class ModelShape:
     linear_key_head_dim: int
     linear_value_head_dim: int
     linear_conv_kernel_dim: int
+
+    @classmethod
+    def from_config(cls, name: str, text_config: dict[str, Any]) -> "ModelShape":
+        """From a config.json's text-backbone fields (`text_config` of a multimodal
+        model): e.g. the packaged tiny models (test/unit/test_tiny_models.py checks
+        tiny-qwen35 against the Qwen3.5-27B row below)."""
+        return cls(name, *(int(text_config[f.name]) for f in fields(cls) if f.name != "name"))
 
     @property
     def full_layers(self) -> list[int]:

@@ -3,10 +3,11 @@ prefixes, random /flush_cache, aborts and injected single-rank storage faults,
 every answer compared with a TP=2 server that has no cache. Not a timed test:
 it prints counts, and its last line is exactly
 
-    requests=N mismatches=M hangs=H restored_tokens=T rank_disagreements=D
+    requests=N mismatches=M hangs=H restored_tokens=T rank_disagreements=D restored_vs_restorable=R/C
 
     nice -n 10 .venv/bin/python benchmark/soak_server.py --tp 2
         [--requests 300 --agents 8 --seed 1 --new-tokens 4 --work DIR]
+        [--pool 4096 --hicache-ratio 0.09 --max-history 2300]   (issue 24's workload)
 
 Phase 1 runs the whole workload on the no-cache server (histories grow with
 its answers); phase 2 replays the same inputs, in the same order, on a
@@ -16,6 +17,13 @@ rank_disagreements). Between requests phase 2 flushes the device cache, damages
 one page file of one rank (delete / truncate / flip / foreign), or sends an
 extra copy of the next request and aborts it. A request that does not answer
 within --request-timeout is a hang (the soak stops there).
+
+restored_vs_restorable=R/C: over the requests sent right after a /flush_cache (the
+device holds nothing then), R = tokens restored from L3 and C = tokens restorable by
+checkpoint: the agent's previous turn as computed (its input and its answer but the
+last token), floored to the 64-token Mamba checkpoint grid (a hybrid prefix is only
+restorable where a state is stored). R < C means L3 lost part of a turn it was given
+(issue 24: writes dropped as parent_not_stored).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import urllib.error
 from pathlib import Path
 
 VERIFY_FAIL = "TP ranks made different L3 restore decisions"
+CHECKPOINT = 64  # tokens: the Mamba state grid of the served model at page 64
 
 
 def workload(rng: random.Random, n: int, agents: int) -> list[tuple[int, list[int]]]:
@@ -59,6 +68,12 @@ def main() -> int:
         help="tokens; a longer history starts over",
     )
     ap.add_argument("--pool", type=int, default=1536, help="device KV tokens (small: evictions)")
+    ap.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=None,
+        help="host staging buffer / device pool (default: the server's; 0.09 with --pool 4096 = 384 tokens)",
+    )
     ap.add_argument("--p-flush", type=float, default=0.06)
     ap.add_argument("--p-fault", type=float, default=0.08)
     ap.add_argument("--p-abort", type=float, default=0.05)
@@ -94,13 +109,16 @@ def main() -> int:
             chunked_prefill_size=256,
             page_size=64,
             prefetch_threshold=64 if with_store else None,
+            extra_args=["--hicache-ratio", str(args.hicache_ratio)] if with_store and args.hicache_ratio else [],
             env={"SGLANG_L3_VERIFY": "1"},
         )
 
     # ---------------------------------------------------------------- phase 1
     inputs: list[list[int]] = []
     refs = []
+    restorable: list[int] = []  # per request: the previous turn as computed, on the checkpoint grid
     history = {a: list(systems[a % 2]) for a in range(args.agents)}
+    computed = {a: 0 for a in range(args.agents)}
     t0 = time.monotonic()
     with Server(config(False), work / "plain.log", startup_timeout=args.startup_timeout) as plain:
         print(
@@ -112,14 +130,18 @@ def main() -> int:
             g = plain.generate(ids, args.new_tokens, timeout=args.request_timeout)
             inputs.append(ids)
             refs.append(g)
+            restorable.append(min(computed[agent], len(ids) - 1) // CHECKPOINT * CHECKPOINT)
             history[agent] = ids + g.output_ids
+            computed[agent] = len(ids) + len(g.output_ids) - 1  # the last token was sampled, never computed
             if len(history[agent]) > args.max_history:
                 history[agent] = list(systems[agent % 2])
+                computed[agent] = 0
             if (i + 1) % 50 == 0:
                 print(f"  reference {i + 1}/{len(plan)}", flush=True)
 
     # ---------------------------------------------------------------- phase 2
     requests = mismatches = hangs = restored = disagreements = 0
+    flush_restored = flush_restorable = 0
     flushes = faults = aborts = 0
     max_dlogp = 0.0
     t1 = time.monotonic()
@@ -132,7 +154,8 @@ def main() -> int:
         )
         for i, ids in enumerate(inputs):
             r = rng.random()
-            if r < args.p_flush:
+            flushed = r < args.p_flush
+            if flushed:
                 server.flush_cache(timeout=args.request_timeout)
                 flushes += 1
             elif r < args.p_flush + args.p_fault:
@@ -163,6 +186,11 @@ def main() -> int:
                 break
             requests += 1
             restored += g.cached_storage
+            if flushed:
+                flush_restored += g.cached_storage
+                flush_restorable += restorable[i]
+                if g.cached_storage < restorable[i]:
+                    print(f"  short restore request {i}: {g.cached_storage} of {restorable[i]}", flush=True)
             want = refs[i]
             dlogp = max((abs(x - y) for x, y in zip(g.logprobs, want.logprobs)), default=0.0)
             max_dlogp = max(max_dlogp, dlogp)
@@ -187,7 +215,8 @@ def main() -> int:
     )
     print(
         f"requests={requests} mismatches={mismatches} hangs={hangs} "
-        f"restored_tokens={restored} rank_disagreements={disagreements}",
+        f"restored_tokens={restored} rank_disagreements={disagreements} "
+        f"restored_vs_restorable={flush_restored}/{flush_restorable}",
         flush=True,
     )
     return 1 if (mismatches or hangs or disagreements or requests < len(inputs)) else 0

@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 
 from sglang_l3.testing.server import Generation, Server, prompt
 
@@ -21,6 +25,18 @@ LARGE_POOL = 4096
 SMALL_POOL = 640  # 10 pages: one agent's longest turn (480 tokens, 8 pages) fits, the
 #                   other agent keeps at most 2 pages, less than its first checkpoint (256)
 NEW_TOKENS = 16
+
+# Model families (conftest `family` fixture): pytest id -> packaged model
+# (sglang_l3.testing.server.PACKAGED_MODELS). tiny-qwen35 is the user's architecture
+# (Qwen3_5ForConditionalGeneration, Qwen3.5-27B's head ratios); tiny-qwen35-text is
+# the text-only Qwen3_5ForCausalLM with the contiguous GDN split (ratio 2).
+FAMILIES = {"qwen3next": "tiny-qwen3next", "qwen35": "tiny-qwen35", "qwen35-text": "tiny-qwen35-text"}
+
+
+def family_params(*ids: str) -> pytest.MarkDecorator:
+    """`pytestmark` / decorator: run the tests once per family (session-scoped, so
+    pytest groups each family's tests and starts its servers once)."""
+    return pytest.mark.parametrize("family", [pytest.param(FAMILIES[i], id=i) for i in ids], indirect=True)
 
 
 # --------------------------------------------------------------------------- #
@@ -58,3 +74,23 @@ def assert_same_output(got: Generation, want: Generation, device: str, what: str
         # upstream's FLA kernel keeps chunk states in bf16 (k.dtype): close, not exact
         diff = max((abs(x - y) for x, y in zip(got.logprobs, want.logprobs)), default=0.0)
         assert diff < 0.1, f"{what}: logprobs differ by {diff}"
+
+
+# --------------------------------------------------------------------------- #
+# no-cache reference scenarios (conftest Reference)
+# --------------------------------------------------------------------------- #
+REFERENCE_SCENARIOS: list[tuple[Callable[[Any], object], tuple[str, ...] | None]] = []
+
+
+def reference_scenario(fn: Callable[[Any], object] | None = None, *, families: tuple[str, ...] | None = None) -> Any:
+    """Register `fn(server)` (anything with `generate(ids, n)`): the no-cache server
+    of each family (FAMILIES ids; all when None) answers it on its first start,
+    with all the others, in one go. `@reference_scenario` or
+    `@reference_scenario(families=("qwen3next",))`."""
+
+    def register(f: Callable[[Any], object]) -> Callable[[Any], object]:
+        models = None if families is None else tuple(FAMILIES[i] for i in families)
+        REFERENCE_SCENARIOS.append((f, models))
+        return f
+
+    return register if fn is None else register(fn)

@@ -1,11 +1,14 @@
-"""The whole buffer-only L3 restore of a Gated-DeltaNet hybrid, through a real server.
+"""The whole buffer-only L3 restore of a Gated-DeltaNet hybrid, through a real server,
+for each model family (tiny Qwen3-Next, tiny Qwen3.5 multimodal).
 
 In file order (the servers are shared): on the first server (large device
 pool) P -> /flush_cache -> P, a prompt longer than --chunked-prefill-size, and
 two interleaved agents for reference; then a restarted server over the same
 store (small device pool): P again, and the two agents, every turn of which
-must come back from L3 with the large pool's output. A restart test run alone
-computes its first-server reference itself (Cluster.reference), never skips.
+must come back from L3 with the large pool's output. Every answer (computed or
+restored) equals the family's no-cache server (`cluster.expected`). A restart
+test run alone computes its first-server reference itself (Cluster.reference),
+never skips.
 
 The reanchor and stale-cow defects cannot be provoked through HTTP (upstream's
 caller rebinds the request right after init_load_back; the stale-CoW window needs
@@ -24,17 +27,36 @@ from l3_e2e import (
     P,
     P_LEN,
     assert_same_output,
+    family_params,
+    reference_scenario,
     restorable,
     run_agents,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, family_params("qwen3next", "qwen35")]
+
+
+@reference_scenario
+def _no_cache_answers(server) -> None:
+    server.generate(P, NEW_TOKENS)
+    server.generate(LONG, NEW_TOKENS)
+    run_agents(server)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_clusters_after(clusters):
+    """pytest runs one family's tests of every module before the next family's:
+    leaving this module means its family's cluster servers are done."""
+    yield
+    for c in clusters.values():
+        c.close()
 
 
 def test_flush_then_same_prompt_restores_from_l3(cluster):
     s = cluster.first()
     cold = s.generate(P, NEW_TOKENS)
     assert cold.cached_tokens == 0, cold.meta
+    assert_same_output(cold, cluster.expected.generate(P), cluster.device, "P computed vs no-cache")
     s.flush_cache()  # drops the device tree (buffer-only: no host copy either)
     warm = s.generate(P, NEW_TOKENS)
     assert warm.cached_device == 0 and warm.cached_host == 0, warm.meta
@@ -49,6 +71,7 @@ def test_prompt_longer_than_chunked_prefill_restores(cluster):
     s = cluster.first()
     cold = s.generate(LONG, NEW_TOKENS)
     assert cold.cached_tokens == 0, cold.meta
+    assert_same_output(cold, cluster.expected.generate(LONG), cluster.device, f"{LONG_LEN} tokens vs no-cache")
     s.flush_cache()
     warm = s.generate(LONG, NEW_TOKENS)
     assert warm.cached_device == 0, warm.meta
@@ -67,9 +90,10 @@ def test_interleaved_agents_reference_on_large_pool(cluster):
     s.flush_cache()
     turns = run_agents(s)
     # the large pool keeps both agents' histories: later turns reuse the device tree
-    for a, k, g in turns:
+    for (a, k, g), (_, _, want) in zip(turns, run_agents(cluster.expected)):
         if k > 0:
             assert g.cached_device > 0 and g.cached_storage == 0, (a, k, g.meta)
+        assert_same_output(g, want, cluster.device, f"agent {a} turn {k} vs no-cache")
     cluster.results["agents"] = turns
 
 
@@ -80,15 +104,18 @@ def test_restart_restores_from_l3(cluster):
     assert after.cached_device == 0, after.meta
     assert after.cached_storage == restorable(P_LEN), after.meta
     assert_same_output(after, before, cluster.device, "P after a server restart")
+    assert_same_output(after, cluster.expected.generate(P), cluster.device, "P after a restart vs no-cache")
 
 
 def test_interleaved_agents_small_pool_restore_every_turn_from_l3(cluster):
     reference = cluster.reference("agents")
     s = cluster.restarted()
     turns = run_agents(s)
-    for (a, k, got), (_, _, want) in zip(turns, reference):
+    nocache = run_agents(cluster.expected)
+    for (a, k, got), (_, _, want), (_, _, plain) in zip(turns, reference, nocache):
         # the pool cannot hold the other agent's history: nothing of this agent's
         # prefix is left on the device, all of it comes back from L3
         assert got.cached_device == 0, (a, k, got.meta)
         assert got.cached_storage >= 256, (a, k, got.meta)
         assert_same_output(got, want, cluster.device, f"agent {a} turn {k}")
+        assert_same_output(got, plain, cluster.device, f"agent {a} turn {k} vs no-cache")

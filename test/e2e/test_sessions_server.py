@@ -1,13 +1,14 @@
-"""Issue 13 through the real server (CPU, tiny Qwen3-Next, buffer-only L3):
-upstream's session ids drive L3 retention and survive a restart.
+"""Issue 13 through the real server (CPU, buffer-only L3): upstream's session
+ids drive L3 retention and survive a restart.
 
-- restart between turns: the session table written by the first server names
-  exactly the chain of pages HiCache stored; after a restart the same
-  `session_id` continues from L3, tokens and logprobs identical to a server
-  without any cache;
+- restart between turns (tiny Qwen3-Next and tiny Qwen3.5): the session table
+  written by the first server names exactly the chain of pages HiCache stored;
+  after a restart the same `session_id` continues from L3, tokens and logprobs
+  identical to the family's no-cache server (conftest `reference`);
 - byte cap smaller than all contexts: an open session's context stays
   restorable while plain prompts are evicted; after `/close_session` it is
-  evictable.
+  evictable; "speaks next" hints (tiny Qwen3-Next: retention and hints are
+  decided on page keys and session rows, not on the model).
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from pathlib import Path
 import pytest
 from l3_e2e import (
     CHUNKED_PREFILL,
+    FAMILIES,
     LARGE_POOL,
     PAGE_SIZE,
     PREFETCH_THRESHOLD,
     SMALL_POOL,
     STARTUP_TIMEOUT,
+    family_params,
+    reference_scenario,
 )
 from sglang_l3.storage import sessions as table
 from sglang_l3.storage.format import parse_page_name
@@ -36,7 +40,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SID = "agent-a"
 A0 = prompt(300, 400)
 NEW = 12
-_MEASURED: dict[str, int] = {}
+_MEASURED: dict[str, int] = {}  # the first server's L3 bytes for A0's context, per model
 
 
 @pytest.fixture(autouse=True)
@@ -47,8 +51,9 @@ def _cpu_only(hash_extension_built):
         pytest.skip("cpu-serving patches are not applicable next to an accelerator")
 
 
-def _config(store: Path | None, **storage_extra) -> ServerConfig:
+def _config(store: Path | None, model: str = FAMILIES["qwen3next"], **storage_extra) -> ServerConfig:
     return ServerConfig(
+        model=model,
         storage_dir=None if store is None else str(store),
         device="cpu",
         max_total_tokens=LARGE_POOL,
@@ -126,23 +131,28 @@ def _same(got, want, what: str) -> None:
 B0 = prompt(310, 400)
 
 
-def _reference(tmp_path: Path):
-    if "ref" not in _MEASURED:
-        with _server(_config(None), tmp_path / "ref.log") as ref:
-            r1 = ref.generate(A0, NEW)
-            ctx2 = A0 + r1.output_ids + prompt(301, 48)
-            r2 = ref.generate(ctx2, NEW)
-            rb1 = ref.generate(B0, NEW)
-            rb2 = ref.generate(B0 + rb1.output_ids + prompt(311, 48), NEW)
-        _MEASURED["ref"] = (r1, ctx2, r2)  # type: ignore[assignment]
-        _MEASURED["ref_b"] = (rb1, rb2)  # type: ignore[assignment]
-    return _MEASURED["ref"]
+@reference_scenario
+def _reference(ref) -> tuple:
+    """Turns of agents A and B on the no-cache server (memoised there)."""
+    r1 = ref.generate(A0, NEW)
+    ctx2 = A0 + r1.output_ids + prompt(301, 48)
+    r2 = ref.generate(ctx2, NEW)
+    return r1, ctx2, r2
 
 
-def test_session_survives_a_restart_and_continues_from_l3(tmp_path):
-    r1, ctx2, r2 = _reference(tmp_path)
+@reference_scenario(families=("qwen3next",))  # the hints test's second agent
+def _reference_b(ref) -> tuple:
+    rb1 = ref.generate(B0, NEW)
+    rb2 = ref.generate(B0 + rb1.output_ids + prompt(311, 48), NEW)
+    return rb1, rb2
+
+
+@family_params("qwen3next", "qwen35")
+def test_session_survives_a_restart_and_continues_from_l3(tmp_path, family, reference):
+    r1, ctx2, r2 = _reference(reference)
+    reference.stop()  # one server at a time
     store = tmp_path / "store"
-    with _server(_config(store), tmp_path / "first.log") as s1:
+    with _server(_config(store, family), tmp_path / "first.log") as s1:
         g1 = s1.generate(A0, NEW, extra={"session_id": SID})
         _same(g1, r1, "turn 1")
         rec = _record(store, SID, want_tokens=len(A0) + NEW)
@@ -152,9 +162,9 @@ def test_session_survives_a_restart_and_continues_from_l3(tmp_path):
     # the chain the registry recorded is the chain HiCache named its pages with
     assert stored and stored <= set(rec.keys), (sorted(stored)[:3], rec.keys[:3])
     assert rec.keys[: len(stored)] == [k for k in rec.keys if k in stored]
-    _MEASURED["context_bytes"] = _pages_bytes(store)
+    _MEASURED[f"context_bytes-{family}"] = _pages_bytes(store)
 
-    with _server(_config(store), tmp_path / "restarted.log") as s2:
+    with _server(_config(store, family), tmp_path / "restarted.log") as s2:
         g2 = s2.generate(ctx2, NEW, extra={"session_id": SID})
         rec2 = _record(store, SID, want_tokens=len(ctx2) + NEW)
     assert g2.cached_storage >= 256, f"turn 2 after the restart: {g2.source}"
@@ -162,17 +172,20 @@ def test_session_survives_a_restart_and_continues_from_l3(tmp_path):
     assert rec2.open
 
 
-def test_byte_cap_keeps_open_sessions_and_releases_closed_ones(tmp_path):
-    _, ctx2, _ = _reference(tmp_path)
-    if "context_bytes" not in _MEASURED:
+@family_params("qwen3next")
+def test_byte_cap_keeps_open_sessions_and_releases_closed_ones(tmp_path, family, reference):
+    _, ctx2, _ = _reference(reference)
+    reference.stop()
+    key = f"context_bytes-{family}"
+    if key not in _MEASURED:
         probe = tmp_path / "probe"
-        with _server(_config(probe), tmp_path / "probe.log") as s:
+        with _server(_config(probe, family), tmp_path / "probe.log") as s:
             s.generate(A0, NEW)
-        _MEASURED["context_bytes"] = _pages_bytes(probe)
-    x = _MEASURED["context_bytes"]
+        _MEASURED[key] = _pages_bytes(probe)
+    x = _MEASURED[key]
     store = tmp_path / "capped"
     with _server(
-        _config(store, max_bytes=int(1.5 * x), min_free_bytes=0),
+        _config(store, family, max_bytes=int(1.5 * x), min_free_bytes=0),
         tmp_path / "capped.log",
     ) as s:
         s.generate(A0, NEW, extra={"session_id": SID})
@@ -211,11 +224,13 @@ def _post(s: Server, path: str, body) -> tuple[int, dict]:
     return s.post(path, body)
 
 
-def test_speaks_next_hint_stages_from_l3_to_device(tmp_path):
-    r1, ctx2, r2 = _reference(tmp_path)
-    rb1, rb2 = _MEASURED["ref_b"]  # type: ignore[misc]
+@family_params("qwen3next")
+def test_speaks_next_hint_stages_from_l3_to_device(tmp_path, family, reference):
+    r1, ctx2, r2 = _reference(reference)
+    rb1, rb2 = _reference_b(reference)
+    reference.stop()
     store = tmp_path / "store"
-    cfg = _config(store)
+    cfg = _config(store, family)
     cfg.max_total_tokens = SMALL_POOL  # the device pool holds one agent's context
     with _server(cfg, tmp_path / "hints.log") as s:
         # the issue's scenario: two open sessions, a pool that holds one context

@@ -1,9 +1,10 @@
 """Issue 11 through the real CPU server: a conversation whose context is several
 times the host staging buffer is written to L3 and comes back from it.
 
-Two servers, one after the other: a reference server without any cache, and a
-buffer-only L3 server whose host buffer (`--hicache-ratio`) is ~1/5 of the last
-turn's prompt. The conversation grows 600 -> 1200 -> 1800 tokens; after
+For each model family (tiny Qwen3-Next, tiny Qwen3.5 multimodal): the family's
+no-cache reference server (conftest `reference`, without overlap scheduling), and a
+buffer-only L3 server (overlap scheduling on) whose host buffer (`--hicache-ratio`)
+is ~1/5 of the last turn's prompt. The conversation grows 600 -> 1200 -> 1800 tokens; after
 `/flush_cache` the last turn's prompt must come back from L3 (cached_storage =
 the restorable prefix, nothing from device or host) with the same tokens and
 logprobs as the no-cache server. Without the streamed patches the same run
@@ -18,23 +19,21 @@ import re
 
 import pytest
 from l3_e2e import (
+    LARGE_POOL,
     NEW_TOKENS,
     PAGE_SIZE,
     PREFETCH_THRESHOLD,
     STARTUP_TIMEOUT,
     assert_same_output,
+    family_params,
+    reference_scenario,
     restorable,
 )
-from sglang_l3.testing.server import (
-    Server,
-    ServerConfig,
-    prompt,
-    warm_hicache_hash_extension,
-)
+from sglang_l3.testing.server import Server, ServerConfig, prompt
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, family_params("qwen3next", "qwen35")]
 
-POOL = 4096
+POOL = LARGE_POOL  # the reference server's pool
 HICACHE_RATIO = 0.09  # host KV pool ~ 0.09 x 4096 = 384 tokens (page-rounded)
 
 
@@ -45,7 +44,8 @@ def _skip_on_accelerator() -> None:
         pytest.skip("cpu-serving patches are not applicable next to an accelerator")
 
 
-def _conversation(server: Server) -> list[tuple[list[int], object]]:
+@reference_scenario
+def _conversation(server) -> list[tuple[list[int], object]]:
     """Three turns: 600, 1200, 1800 tokens (each = history + answer + a new message)."""
     ids = prompt(300, 600)
     turns = []
@@ -56,18 +56,17 @@ def _conversation(server: Server) -> list[tuple[list[int], object]]:
     return turns
 
 
-def test_conversation_4x_host_buffer_restores_from_l3(tmp_path) -> None:
+def test_conversation_4x_host_buffer_restores_from_l3(tmp_path, family, reference) -> None:
     _skip_on_accelerator()
-    warm_hicache_hash_extension()
     base = {
+        "model": family,
         "device": "cpu",
         "max_total_tokens": POOL,
         "page_size": PAGE_SIZE,
         "chunked_prefill_size": 256,
     }
-    ref_cfg = ServerConfig(storage_dir=None, **base)
-    with Server(ref_cfg, tmp_path / "nocache.log", startup_timeout=STARTUP_TIMEOUT) as ref:
-        ref_turns = _conversation(ref)
+    ref_turns = _conversation(reference)
+    reference.stop()  # one server at a time
     last, want = ref_turns[-1]
     l3_cfg = ServerConfig(
         storage_dir=str(tmp_path / "store"),

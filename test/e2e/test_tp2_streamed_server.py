@@ -4,24 +4,50 @@
 (piece completion and the stream's start decision MIN-reduced across the ranks;
 SGLANG_L3_VERIFY=1 all-gathers every restore decision and compares them).
 
-Two TP=2 servers, one after the other (two do not fit two shared cores): a
-reference without any cache, then a buffer-only L3 server whose host buffer
+For each model family (tiny Qwen3-Next; tiny Qwen3.5 text-only, whose Gated-DeltaNet
+input takes the contiguous split): two TP=2 servers, one after the other (two do
+not fit two shared cores): a reference without any cache (and without overlap
+scheduling), then a buffer-only L3 server (overlap scheduling on) whose host buffer
 (`--hicache-ratio`) is < 1/4 of the prompt. The restored answer must match the
 reference's tokens and logprobs (TP=2 vs TP=2: `--load-format dummy` makes TP=1
 and TP=2 different models). Without `streamed-restore` the same run restores 0
 (the hit is declined: test/integration/test_streamed_restore.py's control).
+
+Issue 24 item 5, on the same L3 server: one rank's page past a stored checkpoint is
+damaged between rounds (the prompt is prefilled in 256-token chunks, so L3 holds a
+Mamba checkpoint every 256 tokens). Both ranks restore up to the deepest checkpoint
+below the damage — a KV page inside the streamed rounds (the stream is cut, keeping
+what landed), the last checkpoint's state (upstream's final round, re-queried), found
+by the read (flip) or by the hit query (truncate) — with the no-cache answer, and the
+damaged page is rewritten by the recompute.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
-from l3_e2e import CHUNKED_PREFILL, PAGE_SIZE, PREFETCH_THRESHOLD, STARTUP_TIMEOUT, restorable
-from sglang_l3.testing.server import Server, ServerConfig, prompt
-from tp2_e2e import DEVICE, TEST_BOUND, TP, bounded, flush, generate, same_output
+from l3_e2e import CHUNKED_PREFILL, PAGE_SIZE, PREFETCH_THRESHOLD, STARTUP_TIMEOUT, family_params, restorable
+from sglang_l3.testing.server import Generation, Server, ServerConfig, prompt
+from tp2_e2e import (
+    DEVICE,
+    TEST_BOUND,
+    TP,
+    bounded,
+    damage,
+    flush,
+    generate,
+    page_file,
+    page_keys,
+    quarantined,
+    same_output,
+    wait_for,
+)
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # two TP=2 servers: minutes on CPU
+# two TP=2 servers per family: minutes on CPU
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, family_params("qwen3next", "qwen35-text")]
 
 POOL = 4096
 HICACHE_RATIO = 0.09  # host KV pool ~ 0.09 x 4096 = 384 tokens (page-rounded)
@@ -30,9 +56,10 @@ IDS = prompt(500, 1800)
 VERIFY_FAIL = "TP ranks made different L3 restore decisions"
 
 
-def _config(tmp_path, store: bool) -> ServerConfig:
+def _config(store: Path | None, model: str) -> ServerConfig:
     return ServerConfig(
-        storage_dir=str(tmp_path / "store") if store else None,
+        model=model,
+        storage_dir=str(store) if store else None,
         device=DEVICE,
         tp_size=TP,
         max_total_tokens=POOL,
@@ -43,10 +70,20 @@ def _config(tmp_path, store: bool) -> ServerConfig:
         storage_extra_config={"prefetch_timeout_base": 600} if store else {},
         extra_args=["--hicache-ratio", str(HICACHE_RATIO)] if store else [],
         env={"SGLANG_L3_VERIFY": "1"},
+        overlap_schedule=store is not None,  # the no-cache reference schedules without overlap
     )
 
 
-def test_tp2_context_4x_host_buffer_restores_from_l3(tmp_path, hash_extension_built) -> None:
+@dataclass
+class Run:
+    store: Path
+    server: Server | None = None
+    want: Generation | None = None
+    servers: list[Server] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory, family: str, hash_extension_built):
     from sglang_l3.cpu import accelerator_present
 
     if DEVICE == "cpu" and accelerator_present():
@@ -56,28 +93,79 @@ def test_tp2_context_4x_host_buffer_restores_from_l3(tmp_path, hash_extension_bu
 
         if torch.cuda.device_count() < TP:
             pytest.skip(f"TP={TP} on {DEVICE} needs {TP} GPUs, found {torch.cuda.device_count()}")
-    servers: list[Server] = []
-    with Server(_config(tmp_path, False), tmp_path / "plain.log", startup_timeout=STARTUP_TIMEOUT) as ref:
-        servers.append(ref)
-        with bounded(TEST_BOUND, "reference", lambda: servers):
-            want = generate(ref, IDS, NEW, "reference")
-        servers.clear()
-    assert len(set(want.output_ids)) > 1, "degenerate dummy weights"
-    with Server(_config(tmp_path, True), tmp_path / "l3.log", startup_timeout=STARTUP_TIMEOUT) as s:
-        servers.append(s)
-        m = re.search(r"HiCache kv host pool \((\d+) tokens\)", s.log_text())
-        assert m, "host pool size not logged"
-        host = int(m.group(1))
-        assert len(IDS) >= 4 * host, f"context {len(IDS)} must be >= 4x the host buffer {host}"
-        with bounded(TEST_BOUND, "streamed restore at TP=2", lambda: servers):
-            cold = generate(s, IDS, NEW, "cold")
-            assert cold.cached_tokens == 0, cold.meta
-            same_output(cold, want, "cold vs no-cache TP=2")
-            flush(s, "flush after the cold run")
-            warm = generate(s, IDS, NEW, "after flush")
-        assert warm.cached_device == 0 and warm.cached_host == 0, warm.meta
-        assert warm.cached_storage == restorable(len(IDS)), (warm.meta, len(IDS))
-        same_output(warm, want, f"{len(IDS)}-token prompt from L3 through a {host}-token buffer at TP=2")
-        log = s.log_text()
-        assert VERIFY_FAIL not in log, s.log_tail(80)
-        assert "bounce cannot fit in an empty host arena" not in log
+    root = tmp_path_factory.mktemp(f"e2e-tp2-streamed-{family}")
+    r = Run(store=root / "store")
+    with Server(_config(None, family), root / "plain.log", startup_timeout=STARTUP_TIMEOUT) as ref:
+        r.servers.append(ref)
+        with bounded(TEST_BOUND, "reference", lambda: r.servers):
+            r.want = generate(ref, IDS, NEW, "reference")
+        r.servers.clear()
+    assert len(set(r.want.output_ids)) > 1, "degenerate dummy weights"
+    r.server = Server(_config(r.store, family), root / "l3.log", startup_timeout=STARTUP_TIMEOUT).start()
+    r.servers.append(r.server)
+    try:
+        yield r
+    finally:
+        r.server.stop()
+
+
+def test_tp2_context_4x_host_buffer_restores_from_l3(run: Run) -> None:
+    s = run.server
+    m = re.search(r"HiCache kv host pool \((\d+) tokens\)", s.log_text())
+    assert m, "host pool size not logged"
+    host = int(m.group(1))
+    assert len(IDS) >= 4 * host, f"context {len(IDS)} must be >= 4x the host buffer {host}"
+    with bounded(TEST_BOUND, "streamed restore at TP=2", lambda: run.servers):
+        cold = generate(s, IDS, NEW, "cold")
+        assert cold.cached_tokens == 0, cold.meta
+        same_output(cold, run.want, "cold vs no-cache TP=2")
+        flush(s, "flush after the cold run")
+        warm = generate(s, IDS, NEW, "after flush")
+    assert warm.cached_device == 0 and warm.cached_host == 0, warm.meta
+    assert warm.cached_storage == restorable(len(IDS)), (warm.meta, len(IDS))
+    same_output(warm, run.want, f"{len(IDS)}-token prompt from L3 through a {host}-token buffer at TP=2")
+    log = s.log_text()
+    assert VERIFY_FAIL not in log, s.log_tail(80)
+    assert "bounce cannot fit in an empty host arena" not in log
+
+
+LAST = restorable(len(IDS)) // PAGE_SIZE  # pages of the deepest checkpoint (1792 tokens)
+# (mode, target, rank, restored): KV page 17 (tokens 1088-1152, the issue's page) lies in
+# the streamed rounds, past the checkpoint at 1024; "mamba" = the 1792-token checkpoint's
+# state, past the one at 1536. Found by the read (flip) or by the hit query (truncate).
+STREAMED_DAMAGE = [
+    ("flip", 17, 1, 1024),
+    ("flip", "mamba", 1, 1536),
+    ("truncate", 17, 0, 1024),
+    ("truncate", "mamba", 0, 1536),
+]
+
+
+@pytest.mark.parametrize(
+    "mode,target,rank,expect", STREAMED_DAMAGE, ids=[f"{m}-{t}-r{r}" for m, t, r, _ in STREAMED_DAMAGE]
+)
+def test_tp2_streamed_damage_restores_up_to_the_checkpoint_below(
+    run: Run, mode: str, target: int | str, rank: int, expect: int
+) -> None:
+    s = run.server
+    keys = page_keys(IDS)
+    pool, key = ("mamba", keys[LAST - 1]) if target == "mamba" else ("kv", keys[int(target)])
+    with bounded(TEST_BOUND, f"{mode} of rank {rank}'s {pool} page at TP=2", lambda: run.servers):
+        victim = page_file(run.store, key, pool, rank)
+        if victim is None:
+            pytest.fail(f"rank {rank}'s {pool} page {key[:12]} is not in the store (an earlier round did not heal?)")
+        other = page_file(run.store, key, pool, 1 - rank)
+        assert other is not None
+        q_before = set(quarantined(run.store))
+        flush(s, "flush before damage")
+        damage(victim, mode)
+        got = generate(s, IDS, NEW, f"after {mode} of rank {rank}'s {pool} page")
+        same_output(got, run.want, f"after {mode} of rank {rank}'s {pool} page")
+        assert got.cached_device == 0, got.meta
+        assert got.cached_storage == expect, (got.meta, expect)
+        assert VERIFY_FAIL not in s.log_text(), s.log_tail(80)
+        new_q = set(quarantined(run.store)) - q_before
+        assert any(victim.name in q for q in new_q), (victim.name, new_q)
+        assert not any(other.name in q for q in new_q), f"the other rank's page was quarantined: {new_q}"
+        # the recompute rewrote the damaged page: the next round starts from a whole store
+        wait_for(lambda: page_file(run.store, key, pool, rank) is not None, 120, "damaged page rewritten")

@@ -143,6 +143,88 @@ def test_host_budget_prediction() -> None:
     check(A(), available=60 * GiB, total=64 * GiB)
 
 
+def test_pinned_total_of_all_ranks() -> None:
+    """2 ranks on a 64 GB box: each pins its host pools; the sum must fit the RAM
+    beyond the 10 GiB reserve, and (HSA_USERPTR_FOR_PAGED_MEM=0) the free GTT."""
+    check = startup_checks.check_pinned_total
+    kw = {"available": 60 * GiB, "reserve": 10 * GiB, "setting": "--hicache-ratio 2"}
+
+    def fix(scale: float) -> str:
+        return f"scale {scale:.3f}"
+
+    check(25 * GiB, 2, gtt_free=None, fix=fix, **kw)  # 50 GiB: fits
+    with pytest.raises(startup_checks.StartupCheckError) as e:  # 2 x 26 > 50: one rank alone would fit
+        check(26 * GiB, 2, gtt_free=None, fix=fix, **kw)
+    line = e.value.message
+    assert "\n" not in line and line.startswith("sglang-l3: error: --hicache-ratio 2:"), line
+    assert "2 rank(s)" in line and "55.8 GB (2 x 27.9 GB" in line and "53.7 GB" in line, line
+    assert f"Fix: scale {50 / 52:.3f}." in line, line
+    check(26 * GiB, 1, gtt_free=None, fix=fix, **kw)
+    # pools in GTT: 2 x 10 GiB fit the RAM but not 16 GiB of free GTT
+    check(10 * GiB, 2, gtt_free=None, fix=fix, **kw)
+    with pytest.raises(startup_checks.StartupCheckError) as e:
+        check(10 * GiB, 2, gtt_free=16 * GiB, fix=fix, **kw)
+    line = e.value.message
+    assert "HSA_USERPTR_FOR_PAGED_MEM=0" in line and "17.2 GB of GTT is free" in line, line
+    assert "Fix: unset HSA_USERPTR_FOR_PAGED_MEM" in line and "scale 0.800" in line, line
+    check(8 * GiB, 2, gtt_free=16 * GiB, fix=fix, **kw)
+    # under the reserve nothing fits, whatever the size: the fix is free memory, not a size
+    with pytest.raises(startup_checks.StartupCheckError) as e:
+        check(2 * 10**6, 1, gtt_free=None, fix=fix, available=9 * GiB, reserve=10 * GiB, setting="--hicache-ratio 2")
+    line = e.value.message
+    assert "2.0 MB (1 x 2.0 MB" in line and "less than HiCache's fixed 10 GiB reserve" in line, line
+    assert "Fix: free host memory" in line and "scale" not in line, line
+
+
+def test_fixes_name_values_that_fit() -> None:
+    # --hicache-size is whole GB (argparse int): the named size must parse and fit
+    assert startup_checks._size_fix(40, 0.6) == "--hicache-size 22 or less"
+    assert startup_checks._size_fix(1, 0.5) == "free host memory or run without HiCache"
+    assert startup_checks._ratio_fix(2.0, 0.5).startswith("--hicache-ratio 0.95 or less")
+    assert startup_checks._fraction_fix(0.8, 0.5) == "--hicache-host-memory-fraction 0.38 or less"
+
+
+def test_gtt_free_from_sysfs(tmp_path: Path) -> None:
+    assert startup_checks.gtt_free_bytes(tmp_path) is None  # no amdgpu card
+    for card, total, used in (("card0", 32 * GiB, 1 * GiB), ("card1", 32 * GiB, 5 * GiB)):
+        d = tmp_path / card / "device"
+        d.mkdir(parents=True)
+        (d / "mem_info_gtt_total").write_text(f"{total}\n")
+        (d / "mem_info_gtt_used").write_text(f"{used}\n")
+    assert startup_checks.gtt_free_bytes(tmp_path) == 27 * GiB  # the least free card
+
+
+def test_pools_in_gtt_only_with_userptr_off_on_hip() -> None:
+    off = {"HSA_USERPTR_FOR_PAGED_MEM": "0"}
+    assert startup_checks.pools_in_gtt("file", off, hip=True)
+    assert startup_checks.pools_in_gtt(None, off, hip=True)
+    assert not startup_checks.pools_in_gtt("file", {}, hip=True)  # default: hipHostRegister (USERPTR)
+    assert not startup_checks.pools_in_gtt("file", {"HSA_USERPTR_FOR_PAGED_MEM": "1"}, hip=True)
+    assert not startup_checks.pools_in_gtt("file", off, hip=False)
+    assert not startup_checks.pools_in_gtt("shm", off, hip=True)  # the storage allocator owns the memory
+
+
+def test_hicache_size_of_two_ranks_over_the_free_gtt(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The user's box: TP=2, HSA_USERPTR_FOR_PAGED_MEM=0, 2 x 20 GB > 32 GB of GTT."""
+    import sglang.srt.utils
+
+    d = tmp_path / "drm" / "card0" / "device"
+    d.mkdir(parents=True)
+    (d / "mem_info_gtt_total").write_text(str(32 * 10**9))
+    (d / "mem_info_gtt_used").write_text("0")
+    monkeypatch.setattr(startup_checks, "SYSFS_DRM", tmp_path / "drm")
+    monkeypatch.setattr(startup_checks, "_available_host_bytes", lambda: 64 * GiB)
+    monkeypatch.setattr(sglang.srt.utils, "is_hip", lambda: True)
+    argv = _argv(tmp_path / "store", "--hicache-size", "20", "--tp-size", "2")
+    prepare_server_args(argv)  # pinned from host RAM: 40 GB fit 64 GiB - 10 GiB
+    monkeypatch.setenv("HSA_USERPTR_FOR_PAGED_MEM", "0")
+    line = _refused(argv, capsys)
+    assert line.startswith("sglang-l3: error: --hicache-size 20:") and "2 rank(s)" in line, line
+    assert "40.0 GB (2 x 20.0 GB" in line and "32.0 GB of GTT is free" in line, line
+    assert "Fix: unset HSA_USERPTR_FOR_PAGED_MEM" in line and "--hicache-size 15 or less" in line, line
+    prepare_server_args(_argv(tmp_path / "store", "--hicache-size", "15", "--tp-size", "2"))  # the fix fits
+
+
 def test_negative_control_without_patch_file_store_passes_parsing(
     tmp_path: Path,
 ) -> None:

@@ -115,3 +115,37 @@ def test_server_config_model_field(tmp_path: Path) -> None:
     assert "--skip-tokenizer-init" not in ServerConfig(skip_tokenizer_init=False).args(1234)
     with pytest.raises(ServerError, match="neither a packaged model"):
         model_dir(tmp_path / "nothing-here")
+
+
+def _restore_bench():
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[2] / "benchmark" / "restore_bench.py"
+    spec = importlib.util.spec_from_file_location("restore_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("restore_bench", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tiny_qwen35_takes_the_27b_code_paths() -> None:
+    """docs/state-budget.md "The tiny models": against benchmark/restore_bench.py's
+    Qwen3.5-27B row (the one place the real geometry lives)."""
+    rb = _restore_bench()
+    big = next(m for m in rb.MODELS if m.name == "Qwen3.5-27B")
+    tiny = rb.ModelShape.from_config("tiny-qwen35", text_config("tiny-qwen35"))
+    assert tiny.full_attention_interval == big.full_attention_interval
+    assert len(tiny.full_layers) >= 2 and tiny.num_hidden_layers - len(tiny.full_layers) >= 2
+    assert (
+        tiny.linear_num_value_heads * big.linear_num_key_heads == big.linear_num_value_heads * tiny.linear_num_key_heads
+    )
+    assert (tiny.linear_key_head_dim == tiny.linear_value_head_dim) == (
+        big.linear_key_head_dim == big.linear_value_head_dim
+    )
+    assert tiny.linear_conv_kernel_dim == big.linear_conv_kernel_dim
+    for tp in (1, 2):  # the ratio per rank survives TP=2, as the 27B's 8 / 24
+        assert (tiny.linear_num_value_heads // tp) // (tiny.linear_num_key_heads // tp) == 3
+        assert tiny.conv_dim(tp) * tp == 2 * 2 * 32 + 6 * 32
+    assert tiny.state_bytes(2) == 79_488 and tiny.kv_bytes_per_token(2) == 512  # the docs' table
+    assert big.state_bytes(2) == 76_972_032 and big.kv_bytes_per_token(2) == 32_768

@@ -30,8 +30,19 @@ own rather than by upstream's prefetch thread):
   [J, P) in one insert with the Mamba state, and the re-anchor checks hold.
   `PrefillAdder.add_one_req` is credited the |R| rows it would otherwise charge
   twice (already allocated, yet counted as new tokens of the span).
+- A piece some rank cannot read (a damaged page: the store's checksum or size check
+  fails and quarantines it): the first unreadable page k is MIN-reduced with the
+  completion flags, and the stream is cut at the deepest stored Mamba checkpoint
+  c <= k that every rank vouched for at the start (the flags of the device-fit
+  collective). The landed prefix is kept as R (at most c-1 pages), the op is
+  truncated to c and upstream's final round reads the rest of [R, c) with the state
+  at c; `l3_stream_restore{cut_storage_error}`. Without such a checkpoint the
+  prefetch is revoked and the request recomputes (`storage_error`); KV beliefs past
+  k are healed either way so the recompute's insert rewrites the damaged page.
+  A failure in the final round (upstream's own read) is upstream's all-or-nothing
+  discard; patch `damage-refetch` re-issues that hit.
 - R, the pin and host pieces are freed exactly once on every exit: storage error in
-  a piece (the prefetch is revoked, the request recomputes, KV beliefs healed),
+  a piece (cut, or revoked and recomputed),
   abort (upstream retires the op; our tick sees it gone), a staged hold released
   (abort, shrunk, device capacity), or `reset` (pools are cleared wholesale there).
 - Short device pool: when free + evictable device tokens cannot take the whole hit,
@@ -95,6 +106,8 @@ class Stream:
     landed_pages: int = 0
     pieces: deque = dataclasses.field(default_factory=deque)
     reason: str = ""
+    flags: list[int] = dataclasses.field(default_factory=list)  # rank-agreed restorable lengths (pages)
+    spare: torch.Tensor | None = None  # rows given up by a cut, freed with the stream
     f: tuple | None = None  # (matched_len, num_tokens, hash_values) of the last piece's staged hold
 
     @property
@@ -206,7 +219,7 @@ def _restorable_flags(op: Any, hit_pages: int) -> list[int]:
     return flags
 
 
-def _truncate(cache: Any, op: Any, pages: int) -> None:
+def _truncate(cache: Any, op: Any, pages: int, reason: str = "device_capacity") -> None:
     """Cut the op's hit to its first `pages` pages; the Mamba sidecar follows the new end
     (the checkpoint there was vouched for on every rank by the MIN-reduced flags)."""
     cut = len(op.hash_value) - pages
@@ -217,11 +230,12 @@ def _truncate(cache: Any, op: Any, pages: int) -> None:
     op.hash_value = list(op.hash_value[:pages])
     op.storage_hit_count = pages * cache.page_size
     # The dropped tail is recomputed: upstream's own unfulfilled-token accounting.
-    reason = "device_capacity" if cache.storage_metrics_collector is not None else None
-    cache._resolve_storage_prefetch_tokens(op.handle, cut * cache.page_size, reason=reason)
+    label = reason if cache.storage_metrics_collector is not None else None
+    cache._resolve_storage_prefetch_tokens(op.handle, cut * cache.page_size, reason=label)
 
 
 UPSTREAM = "upstream"  # _start's verdict: the (truncated) hit now fits the host arena
+_FLAGS = "_l3_restorable_flags"
 
 
 def _device_fit(pipe: Any, op: Any, hit_tokens: int) -> int:
@@ -242,6 +256,7 @@ def _device_fit(pipe: Any, op: Any, hit_tokens: int) -> int:
     t = torch.tensor(_restorable_flags(op, hit_pages) + [fit], dtype=torch.int64)
     cache._all_reduce(t, torch.distributed.ReduceOp.MIN)
     agreed = t.tolist()
+    op.__dict__[_FLAGS] = agreed[:-1]  # kept for a cut below a damaged page (_storage_error)
     fit = int(agreed[-1])
     if fit >= hit_tokens:
         return hit_tokens
@@ -321,6 +336,7 @@ def _start(pipe: Any, op: Any, hit_tokens: int) -> Stream | str | None:
         prefix_keys=list(op.prefix_keys) if op.prefix_keys is not None else None,
         piece_pages=p // page,
         pin=pin,
+        flags=list(op.__dict__.get(_FLAGS, ())),
     )
     lane_of(pipe).streams[handle] = s
     metrics.inc("l3_stream_restore", "started")
@@ -369,6 +385,9 @@ def _end(pipe: Any, s: Stream, outcome: str, *, free_rows: bool = True) -> None:
     assert not s.pieces, "stream ended with host pieces in flight"
     if free_rows and len(s.rows):
         pipe._cache.token_to_kv_pool_allocator.free(s.rows)
+    if s.spare is not None and len(s.spare):
+        pipe._cache.token_to_kv_pool_allocator.free(s.spare)
+        s.spare = None
     if s.pin is not None:
         pipe._cache.tree_core.dec_full_pin(s.pin)
         s.pin = None
@@ -396,15 +415,15 @@ def _tick(cache: Any) -> None:
     if not lane.streams:
         return
     streams = list(lane.streams.values())
-    flags = []
+    flags = []  # per piece: done, leading pages read (MIN: the first page some rank cannot read)
     for s in streams:
         pcs = list(s.pieces)[:MAX_INFLIGHT]
         for i in range(MAX_INFLIGHT):
             if i < len(pcs) and pcs[i].future.done():
-                ok = pcs[i].future.exception() is None and pcs[i].future.result() == pcs[i].pages
-                flags += [1, int(ok)]
+                good = pcs[i].future.result() if pcs[i].future.exception() is None else 0
+                flags += [1, int(good)]
             else:
-                flags += [0, 1]
+                flags += [0, 0]
     t = torch.tensor(flags, dtype=torch.int32)
     cache._all_reduce(t, torch.distributed.ReduceOp.MIN)
     agreed = t.tolist()
@@ -412,42 +431,75 @@ def _tick(cache: Any) -> None:
     page = cache.page_size
     for j, s in enumerate(streams):
         info = cache.ongoing_prefetch.get(s.handle)
-        if s.state in ("reading", "ready", "final") and (info is None or info.operation is not s.op):
+        if s.state in ("reading", "cutting", "ready", "final") and (info is None or info.operation is not s.op):
             _abort(pipe, s, "aborted")
         for i in range(MAX_INFLIGHT):
-            done, ok = agreed[j * 2 * MAX_INFLIGHT + 2 * i : j * 2 * MAX_INFLIGHT + 2 * i + 2]
+            done, good = agreed[j * 2 * MAX_INFLIGHT + 2 * i : j * 2 * MAX_INFLIGHT + 2 * i + 2]
             if not done:
                 break
             pc = s.pieces.popleft()
-            if s.state == "aborting":
-                pass
-            elif ok:
+            if s.state in ("aborting", "cutting"):
+                pass  # read after the stream stopped or was cut: not landed
+            elif good == pc.pages:
                 a = pc.first_page * page
                 _copy_to_device(cc, pc.host, s.rows[a : a + pc.pages * page])
                 s.landed_pages += pc.pages
                 metrics.inc("l3_stream_restore_pieces")
             else:
-                _storage_error(cache, s, pc)
+                _storage_error(cache, s, pc, good)
             _free_piece(pipe, pc)
         if s.state == "aborting":
             if not s.pieces:
                 _end(pipe, s, s.reason)
             continue
+        if s.state == "cutting" and not s.pieces:
+            if len(s.rows):
+                s.state = "ready"  # upstream's final round reads [R, c) and the state at c
+            else:
+                _end(pipe, s, "cut_to_upstream")  # nothing landed to keep: the short hit is upstream's
         if s.state == "reading":
             _launch_reads(pipe, s)
             if s.landed_pages == len(s.keys):
                 s.state = "ready"
 
 
-def _storage_error(cache: Any, s: Stream, pc: _Piece) -> None:
+def _storage_error(cache: Any, s: Stream, pc: _Piece, good: int) -> None:
+    """Piece `pc` has a page some rank cannot read (rank-agreed: the first `good` pages
+    of it were read everywhere). Cut at the deepest checkpoint below it, or recompute."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    # The hit query vouched for these pages; heal beliefs so the next insert rewrites.
-    cache.storage_existence_cache.pool(PoolName.KV).invalidate_beyond(s.keys, pc.first_page)
-    _abort(cache.buffer_pipeline, s, "storage_error")
-    if cache.ongoing_prefetch.get(s.handle) is not None:
-        # Parked op, no host slots of upstream's: the request recomputes.
-        cache.revoke_pending_prefetch(s.handle)
+    page = cache.page_size
+    bad = pc.first_page + good  # pages past the stream's start readable on every rank
+    # The hit query vouched for these pages; heal beliefs so the recompute's insert rewrites.
+    cache.storage_existence_cache.pool(PoolName.KV).invalidate_beyond(s.keys, bad)
+    op = s.op
+    c = max((q for q in range(1, min(bad, len(s.flags) - 1) + 1) if s.flags[q]), default=0)
+    keep = (s.start + c * page - op.storage_start) // page  # pages of the (head-trimmed) op
+    if c == 0 or keep <= 0 or cache.ongoing_prefetch.get(s.handle) is None:
+        _abort(cache.buffer_pipeline, s, "storage_error")
+        if cache.ongoing_prefetch.get(s.handle) is not None:
+            # Parked op, no host slots of upstream's: the request recomputes.
+            cache.revoke_pending_prefetch(s.handle)
+            if op.assume_stored:
+                # Nothing was queried (only the end was known to hold a state): a fresh
+                # hit query finds the checkpoints below the damage (upstream's re-issue).
+                cache.storage_prefetch_retries.refetch(s.handle.rid)
+        return
+    # Keep what landed below c (the final round reads at least one page, with the state).
+    r = min(s.landed_pages, c - 1)
+    _truncate(cache, op, keep, reason="storage_transfer")
+    s.spare = s.rows[r * page :]
+    s.rows, s.keys = s.rows[: r * page], s.keys[:r]
+    s.hit, s.landed_pages, s.next_page = c * page, r, r
+    s.state, s.reason = "cutting", "cut_storage_error"
+    metrics.inc("l3_stream_restore", "cut_storage_error")
+    logger.warning(
+        "streamed restore cut req=%s reason=storage_error unreadable_page=%d restorable=%d kept_rows=%d",
+        s.handle.rid,
+        bad,
+        c * page,
+        r * page,
+    )
 
 
 # ------------------------------------------------------------------------ hooks
@@ -468,9 +520,9 @@ def apply(ctx: PatchContext) -> None:
                 return orig(self, op, info, hit_tokens, aux)
             self.release_anchor_lock(op.handle)  # parked ops hold no pin; ours is separate
             return False
-        if s.op is not op or s.state not in ("reading", "ready"):
+        if s.op is not op or s.state not in ("reading", "cutting", "ready"):
             return orig(self, op, info, hit_tokens, aux_hit_tokens)
-        if s.state == "reading":
+        if s.state in ("reading", "cutting"):
             self.release_anchor_lock(op.handle)
             return False
         # Final round: upstream's own prefetch of the last piece + the Mamba checkpoint.
@@ -565,7 +617,7 @@ def apply(ctx: PatchContext) -> None:
         pipe = self.buffer_pipeline
         s = lane_of(pipe).streams.get(request) if pipe is not None else None
         info = self.ongoing_prefetch.get(request)
-        if s is None or s.state not in ("reading", "ready") or info is None or info.operation is not s.op:
+        if s is None or s.state not in ("reading", "cutting", "ready") or info is None or info.operation is not s.op:
             return orig(self, request)  # the final round is upstream's own prefetch: its policy applies
         # Rounds 1..k-1: upstream's op is parked, so upstream would stop it at once;
         # apply the stop policy to the stream instead (same rank-agreed vote and time

@@ -13,12 +13,20 @@ stays at the head of the write FIFO (design W-1 of the streamed-staging study):
   queued-span ref and in-flight mark.
 - `finish_backup_ack`: a window at c > 0 extends the write's `prefix_keys` by the
   node's first c page hashes (the store's chain position), on a copy of the intent.
+- `finish_storage_write_ack`: upstream clears the node's "KV in flight" mark at the
+  storage ack of any KV write of the node; with windows that was the first window's
+  ack, while the rest of the node was still queued. Its children then failed the
+  parent-cover gate (`_backup_parent_covered`: in flight, or the parent's last page
+  believed stored) and were dropped as `parent_not_stored` — a turn written right
+  after a long one lost its L3 copy. The mark is put back while a window of the node
+  is still queued, staged or awaiting its storage ack, so the child waits behind it.
 
 The Mamba intent of the node sits behind the KV intent (`_pool_order`), so the
 checkpoint is staged after the last KV window, as today. Window sizes come from
 the pool size and the cursor from beliefs: identical on every TP rank.
-What is still dropped (parent not stored, backlog cap, an aux pool too big) is
-counted by reason in `l3_write_dropped{reason}`.
+What is still dropped (parent not stored: the parent's own write was dropped or
+swept with its evicted node; backlog cap; an aux pool too big) is counted by reason
+in `l3_write_dropped{reason}`.
 """
 
 from __future__ import annotations
@@ -65,6 +73,26 @@ def _first_uncovered(beliefs: Any, keys: list[str]) -> int | None:
         if not beliefs.covered((k,)):
             return i
     return None
+
+
+def _keep_inflight_while_windows_remain(pipe: Any, intent: Any) -> None:
+    """After a window's storage ack: the node's KV stays "in flight" while another
+    window of it is queued, staged (D2H) or awaiting its storage ack."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    if intent.pool != PoolName.KV:
+        return
+    node = intent.snapshot.node_id
+
+    def same(i: Any) -> bool:
+        return i.pool == PoolName.KV and i.snapshot.node_id == node
+
+    if (
+        any(same(i) for i in pipe.pending_write_queue)
+        or any(same(e.intent) for e in pipe.ongoing_write_through.values())
+        or any(same(e.intent) for e in pipe.ongoing_backup.values())
+    ):
+        pipe.inflight_backup_pools.setdefault(node, set()).add(PoolName.KV)
 
 
 def apply(ctx: PatchContext) -> None:
@@ -153,6 +181,12 @@ def apply(ctx: PatchContext) -> None:
                 entry.intent = msgspec.structs.replace(entry.intent, snapshot=snap)
         return orig(self, ack_id)
 
+    def storage_ack(orig: Any, self: Any, operation_id: int) -> None:
+        entry = self.ongoing_backup.get(operation_id)
+        orig(self, operation_id)
+        if entry is not None:
+            _keep_inflight_while_windows_remain(self, entry.intent)
+
     def reset(orig: Any, self: Any) -> None:
         orig(self)
         self.__dict__.pop("_l3_stream_write", None)
@@ -163,4 +197,5 @@ def apply(ctx: PatchContext) -> None:
     ctx.around(f"{PIPE}._launch_transfers", launch)
     ctx.around(f"{PIPE}._stage_backup_intent", stage)
     ctx.around(f"{PIPE}.finish_backup_ack", backup_ack)
+    ctx.around(f"{PIPE}.finish_storage_write_ack", storage_ack)
     ctx.around(f"{PIPE}.reset", reset)

@@ -1,10 +1,12 @@
 """`python -m sglang_l3.testing.demo_server`: agents talking to a real SGLang server on
 CPU, with the conversation prefixes coming back from the L3 store on disk.
 
-Starts `python -m sglang.launch_server --device cpu` on the packaged tiny
-Qwen3-Next (Gated-DeltaNet hybrid, dummy weights, input ids, nothing
-downloaded) with `--hicache-storage-backend file --hicache-mem-layout
-buffer_only` and a device KV pool too small for all agents at once. The agents
+Starts `python -m sglang.launch_server --device cpu` on a packaged tiny hybrid
+model (`--model`: tiny-qwen3next, the default; tiny-qwen35, the user's
+Qwen3_5ForConditionalGeneration architecture; tiny-qwen35-text; dummy weights,
+input ids, nothing downloaded) with `--hicache-storage-backend file
+--hicache-mem-layout buffer_only` and a device KV pool too small for all agents
+at once. `make demo MODEL=tiny-qwen35` picks the model. The agents
 take turns; each turn sends the agent's whole history plus a new message. Per
 turn it prints where the reused prefix came from, as the server reports it
 (`cached_tokens_details`: device / L3), and the time to first token — next to
@@ -24,17 +26,31 @@ import time
 from pathlib import Path
 
 from sglang_l3.testing.server import (
+    DEFAULT_MODEL,
+    PACKAGED_MODELS,
     Server,
     ServerConfig,
     ServerError,
+    model_dir,
     prompt,
     warm_hicache_hash_extension,
 )
+
+MODEL_NAMES = {
+    "tiny-qwen3next": "tiny Qwen3-Next",
+    "tiny-qwen35": "tiny Qwen3.5, multimodal",
+    "tiny-qwen35-text": "tiny Qwen3.5, text-only",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sglang_l3.testing.demo_server", description=__doc__.splitlines()[0])
     ap.add_argument("--store", default="./l3-store", help="L3 directory (default ./l3-store)")
+    ap.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"a packaged model ({', '.join(PACKAGED_MODELS)}; default {DEFAULT_MODEL}) or a model directory",
+    )
     ap.add_argument("--agents", type=int, default=3)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--system-tokens", type=int, default=600, help="per-agent system prompt length")
@@ -62,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", default=None, help="server log file (default: a temp file, removed unless the demo fails)")
     args = ap.parse_args(argv)
 
+    try:
+        model_dir(args.model)
+    except ServerError as e:
+        ap.error(str(e))
     store = Path(args.store).resolve()
     tmp = None if args.log else Path(tempfile.mkdtemp(prefix="sglang-l3-demo-"))
     log = Path(args.log) if args.log else tmp / "server.log"
@@ -83,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, store: Path, log: Path) -> int:
     cfg = ServerConfig(
+        model=args.model,
         storage_dir=str(store),
         max_total_tokens=args.device_pool,
         page_size=args.page_size,
@@ -91,7 +112,8 @@ def _run(args: argparse.Namespace, store: Path, log: Path) -> int:
     )
     warm_hicache_hash_extension()
     server = Server(cfg, log)
-    print(f"sglang-l3 demo: starting a CPU server (tiny Qwen3-Next, L3 = file store {store})")
+    name = MODEL_NAMES.get(args.model, args.model)
+    print(f"sglang-l3 demo: starting a CPU server ({name}, L3 = file store {store})")
     print("  " + server.shell_command())
     print(f"  log: {log}")
     t0 = time.perf_counter()

@@ -14,13 +14,14 @@ real forward.
 
 from __future__ import annotations
 
+import time
 import types
 from array import array
 from typing import Any, Optional
 
 import torch
 
-from sglang_l3.testing.stack import L3Stack, _pump
+from sglang_l3.testing.stack import L3Stack, RestoreFailed, _pump, wait_for_work
 
 
 class _NoGrammar:
@@ -133,9 +134,23 @@ class SchedulerHarness:
     def pump(self, cond: Any = None, what: str = "hicache events", timeout: float = 120.0) -> None:
         _pump(self.stack.cache, cond or (lambda: True), what, timeout)
 
-    def wait_prefetch(self, req: Any, timeout: float = 120.0) -> None:
+    def wait_prefetch(self, req: Any, timeout: float = 120.0, *, reissue: bool = False) -> None:
+        """Poll the request's prefetch until it is done. With `reissue`, each step is the
+        scheduler's own `_process_hicache_events` (the HiCache drain, then the due L3
+        re-issues of `_process_storage_prefetch_retries`) instead of the drain alone."""
         cache = self.stack.cache
-        _pump(cache, lambda: cache.check_prefetch_progress(req.cache_request_handle), f"prefetch of {req.rid}", timeout)
+        handle = req.cache_request_handle
+        deadline = time.monotonic() + timeout
+        while True:
+            if reissue:
+                self.s._process_hicache_events()
+            else:
+                cache.check_hicache_events()
+            if cache.check_prefetch_progress(handle):
+                return
+            if time.monotonic() > deadline:
+                raise RestoreFailed(f"timed out waiting for: prefetch of {req.rid}")
+            wait_for_work(cache)
 
     def admit(self) -> Any:
         """One real admission pass; returns the new ScheduleBatch (or None)."""

@@ -3,9 +3,11 @@ the packaged tiny hybrid models (`ServerConfig.model`: tiny Qwen3-Next by defaul
 tiny Qwen3.5 multimodal or text-only) or a model directory (used by
 `python -m sglang_l3.testing.demo_server` and test/e2e).
 
-Nothing here changes the server's behaviour: it builds the command line, waits
-for the server to be ready, sends HTTP requests with input ids
-(--skip-tokenizer-init) and reads what the server reports.
+Nothing here changes the server's behaviour: it builds the command line (overlap
+scheduling on, upstream's default and the user's, unless
+`ServerConfig(overlap_schedule=False)`), waits for the server to be ready, sends
+HTTP requests with input ids (--skip-tokenizer-init) and reads what the server
+reports.
 
 Upstream's test launcher (`sglang.test.test_utils:popen_launch_server`) does not
 fit: it starts `sglang serve` and polls `/health_generate`, which runs a
@@ -121,6 +123,7 @@ class ServerConfig:
     model's tokenizer (and processor) so text, chat and images can be sent."""
 
     model: str = DEFAULT_MODEL
+    skip_tokenizer_init: bool = True
     storage_dir: str | None = None  # None (and backend "file"): no HiCache at all
     # --hicache-storage-backend; "mooncake" joins the store named by storage_extra_config
     # (e.g. sglang_l3.testing.mooncake.MooncakeCluster.extra_config()), no storage_dir needed
@@ -134,7 +137,8 @@ class ServerConfig:
     page_size: int | None = None
     prefetch_threshold: int | None = None
     tp_size: int = 1  # --tp-size; on CPU each rank is a process (gloo, patch cpu-tp-gloo)
-    skip_tokenizer_init: bool = True
+    # upstream's default, as the user serves; False passes --disable-overlap-schedule
+    overlap_schedule: bool = True
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -171,8 +175,9 @@ class ServerConfig:
             str(self.max_mamba_cache_size),
             "--mamba-radix-cache-strategy",
             "extra_buffer",
-            "--disable-overlap-schedule",
         ]
+        if not self.overlap_schedule:
+            a.append("--disable-overlap-schedule")
         if self.max_total_tokens is not None:
             a += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.device == "cpu":

@@ -1,0 +1,90 @@
+"""Streamed write-through of a turn whose parent is still being written window by
+window (`streamed-write`, issue 24 item 6): the child is queued behind the parent,
+never dropped as `l3_write_dropped{parent_not_stored}`.
+
+The issue's workload (growing conversations, a 384-token host buffer, 1-page write
+windows): turn 1 (parent P, many windows) is still in the write FIFO when turn 2
+(child C = P + more) is inserted. Upstream clears a node's "KV in flight" mark at the
+storage ack of *any* write of that pool; with windows, the first window's ack cleared
+it while the rest of P was still queued, so C (and, at the FIFO head, anything above
+it) failed upstream's parent-cover gate and was dropped: after a restart C restored
+only P (the issue's "A2 restored 960 where 1280 had been computed").
+
+Real upstream stack on CPU (`L3Stack`), both tree cores, page 64. A fresh reader
+restores C whole, KV and both Mamba slots bit-exact. Negative control: the same run
+without the in-flight fix drops C (counted) and restores only P.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sglang_l3 import metrics
+from sglang_l3.patches import streamed_write as sw
+from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack, _pump
+
+PAGE = 64
+KV_SIZE = 4096
+
+
+def _spec(context: int) -> HybridSpec:
+    return HybridSpec(page_size=PAGE, kv_size=KV_SIZE, max_context_len=max(2048, context + 128))
+
+
+def _write_parent_then_child(tmp_path, core: str) -> tuple[list[int], list[int], object, int]:
+    """Insert P, let the first of its windows reach the store while the rest is
+    queued, then insert C = P + more; drain. Returns (P, C, C's snapshot, drops)."""
+    p_len, c_len = 1280, 1664  # the issue's A1 / A2 lengths
+    seq = list(range(9, 9 + c_len))
+    with L3Stack(_spec(c_len), str(tmp_path), tree_core=core, server_args={"hicache_ratio": 0.09}) as w:
+        pipe = w.cache.buffer_pipeline
+        assert sw.window_tokens(pipe) == PAGE, "one-page windows, as with the issue's 384-token buffer"
+        dropped = metrics.get("l3_write_dropped", "parent_not_stored")
+        parent = seq[:p_len]
+        w.write(parent, marker=3.0, flush=False)
+        pipe.flush_pending_writes()
+        acks = metrics.get("l3_stream_write_windows")
+        # Until P's first window is stored: more windows of P are still queued.
+        beliefs = w.cache.storage_existence_cache.pool("kv")
+        keys = w.cache.tree_core.snapshot_buffer_backup(w.match(parent).last_device_node, False).hash_values
+        _pump(w.cache, lambda: beliefs.contains(keys[0]), "P's first window stored")
+        assert any(i.snapshot.hash_values == keys for i in pipe.pending_write_queue), "P still has windows queued"
+        assert metrics.get("l3_stream_write_windows") >= acks
+        want = w.write(seq, marker=4.0, flush=False)
+        w.settle(timeout=120)
+        assert not pipe.inflight_backup_pools and not pipe.pending_write_queue
+        drops = metrics.get("l3_write_dropped", "parent_not_stored") - dropped
+    return parent, seq, want, drops
+
+
+def _restore(tmp_path, core: str, seq: list[int], want) -> int:
+    with L3Stack(
+        _spec(len(seq)), str(tmp_path), tree_core=core, server_args={"hicache_ratio": 2.0 * len(seq) / KV_SIZE}
+    ) as r:
+        r.scribble()
+        h, loaded = r.prefetch(seq, "probe")
+        if not r.cache.buffer_pipeline.has_staged(h):
+            return 0
+        r.cache.buffer_pipeline.release_staged_hold(h)
+        req, loaded = r.restore(seq, "reader")
+        if loaded == len(seq):
+            r.check_restored(seq, req, loaded, want, kv=True)
+        r.release(req)
+        r.evict_all()
+        r.settle()
+        assert r.pool_sizes() == r.baseline
+        return loaded
+
+
+@pytest.mark.parametrize("core", TREE_CORES)
+def test_child_written_behind_a_parent_still_in_flight(tmp_path, core: str) -> None:
+    parent, seq, want, drops = _write_parent_then_child(tmp_path, core)
+    assert drops == 0, f"{drops} parent_not_stored drops"
+    assert _restore(tmp_path, core, seq, want) == len(seq)
+
+
+def test_without_the_fix_the_child_is_dropped(tmp_path, monkeypatch) -> None:
+    """Negative control: upstream's ack clears the in-flight mark after the first window."""
+    monkeypatch.setattr(sw, "_keep_inflight_while_windows_remain", lambda pipe, intent: None)
+    parent, seq, want, drops = _write_parent_then_child(tmp_path, "rust")
+    assert drops >= 1
+    assert _restore(tmp_path, "rust", seq, want) == len(parent)
