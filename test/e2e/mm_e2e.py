@@ -204,6 +204,7 @@ def reference_config() -> ServerConfig:
         page_size=PAGE_SIZE,
         chunked_prefill_size=CHUNKED_PREFILL,
         extra_args=["--disable-radix-cache", "--enable-cache-report"],
+        overlap_schedule=False,  # plain sequential scheduling, as the other no-cache references
     )
 
 
