@@ -6,7 +6,10 @@ How: BEFORE `TokenizerManager._validate_one_request` the ids the caller
 supplied are checked (ints, 0 <= id < vocab size); a bad one (out of range, a
 float, a string, a nested list) raises ValueError naming its position, which
 http_server turns into HTTP 400 while the server keeps serving. Ids produced by
-the server's own tokenizer or multimodal processor are not re-checked.
+the server's own tokenizer or multimodal processor are not re-checked. For a
+multimodal request the caller's ids are checked BEFORE
+`TokenizerManager._tokenize_one_request`, before the processor decodes them
+(the processor's output holds pad values >= vocab size by design).
 """
 
 from __future__ import annotations
@@ -51,8 +54,23 @@ def _check(self: Any, obj: Any, input_ids: Any) -> None:
         raise ValueError(problem)
 
 
+def _check_mm(self: Any, obj: Any) -> None:
+    # a multimodal request's own ids: an id outside the vocabulary is never an image
+    # placeholder (upstream's decode of it is a 500, or it is dropped or clamped)
+    contains_mm = getattr(obj, "contains_mm_input", None)
+    if getattr(obj, "input_ids", None) is None or not (callable(contains_mm) and contains_mm()):
+        return
+    problem = first_bad_id(obj.input_ids, int(self.model_config.vocab_size))
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def apply(ctx: PatchContext) -> None:
     def before(self: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any) -> None:
         _check(self, obj, input_ids)
 
+    def before_tokenize(self: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
+        _check_mm(self, obj)
+
     ctx.before(f"{_TM}._validate_one_request", before)
+    ctx.before(f"{_TM}._tokenize_one_request", before_tokenize)

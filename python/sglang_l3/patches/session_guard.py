@@ -118,7 +118,7 @@ def _on_release(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) ->
     for gone in [s for s in book if not reg.is_open(s)]:
         del book[gone]  # closed or dropped: nothing to guard
     book[str(sid)] = _Context(
-        array("i", list(req.origin_input_ids) + list(req.output_ids)),
+        array("q", list(req.origin_input_ids) + list(req.output_ids)),
         req.extra_key,
         req.cache_salt,
     )
