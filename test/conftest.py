@@ -85,13 +85,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     return rep
 
 
-# Parallel runs (run_suite.py: pytest-xdist, --dist loadgroup, collection order kept).
+# Parallel runs (run_suite.py: pytest-xdist, --dist loadgroup, collection order kept;
+# the groups are read by `pytest_xdist_make_scheduler` below).
 # Files that start servers go first, slowest first (by their time on the 2-core
 # development VM), so that the two workers finish together; unit tests, which
 # share nothing, are spread one by one at the end.
 SLOW_FIRST = (
     "e2e/test_tp2_l3.py",
     "e2e/test_tp2_streamed_server.py",
+    "e2e/test_burst_server.py",
+    "e2e/test_images_server.py",
+    "e2e/test_openai_client.py",
     "e2e/test_sessions_server.py",
     "e2e/test_mooncake_servers.py",
     "e2e/test_idle_server.py",
@@ -113,12 +117,43 @@ def xdist_group(rel: str) -> str | None:
     each test on its own). A file is one group: module/session fixtures (shared
     servers, `_CLUSTERS` in e2e/conftest.py) and tests that build on earlier ones
     stay together. The TP=2 files share one group: two TP=2 servers at once do
-    not fit two shared cores."""
+    not fit two shared cores. The Qwen3.5 image files share their servers
+    (mm_e2e.shared_servers)."""
     if rel.startswith("unit/"):
         return None
     if rel.startswith("e2e/test_tp2_"):
         return "e2e-tp2"
+    if rel in ("e2e/test_images_server.py", "e2e/test_openai_client.py"):
+        return "e2e-qwen35-mm"
     return rel
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The work unit of one test: its group, where the test's TP=2 cases of
+    test_burst_server join the TP=2 files (its TP=1 cases stay a group of their own)."""
+    path = nodeid.split("::", 1)[0]
+    rel = path[len("test/") :] if path.startswith("test/") else path  # rootdir test/ or the repo
+    if rel == "e2e/test_burst_server.py" and "[tp2" in nodeid:
+        return "e2e-tp2"
+    return xdist_group(rel) or nodeid
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadgroup` with our groups, read from the nodeid's file. pytest-xdist
+    3.8's own loadgroup tags each nodeid with its group (`item._nodeid = ...@group`);
+    pytest 9 no longer reads `_nodeid` (Node.nodeid is `_id`), so every test became
+    its own group and one file's tests, with their shared servers, ran on both
+    workers at once."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return GroupScheduling(config, log)
 
 
 _DIRS = ("e2e", "integration", "upstream", "unit")
