@@ -218,7 +218,8 @@ def test_burst_on_one_l3_prefix(burst: Burst, policy: str) -> None:
                     assert got[0].cached_storage == len(PREFIX), (got[0].meta, "X1 restores the prefix")
                     for i, g in enumerate(got[1:], 2):
                         assert g.cached_device >= len(PREFIX) and g.cached_storage == 0, (i, g.meta)
-                    assert len(STREAM_START.findall(text)) == 1, "one stream per burst: the others share it"
+                    # one stream per burst: the others share it (the line is logged by every rank)
+                    assert len(set(STREAM_START.findall(text))) == 1, text[-4000:]
                     assert "streamed restore truncated" not in text
                     assert re.search(r"streamed restore req=\S+ waits for req=", text)
                 assert WATCHDOG not in text, s.log_tail(80)
