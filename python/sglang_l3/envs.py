@@ -139,6 +139,13 @@ _VARS = (
         "SGLANG_L3_E2E_TP2_DEVICE", "cpu", "device of the TP=2 e2e servers (cuda on a machine with >= 2 GPUs)", "tests"
     ),
     EnvVar(
+        "SGLANG_L3_TEST_IDLE_BUSY",
+        "0",
+        "1: test_idle_server starts its L3 server without --sleep-on-idle (the negative control: its sleep checks "
+        "must fail)",
+        "tests",
+    ),
+    EnvVar(
         "SGLANG_L3_TEST_FAULT",
         "unset",
         "fault injection for tests only: restore-fallback@RANK makes that TP rank alone fall back on its first "

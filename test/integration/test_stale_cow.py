@@ -87,7 +87,14 @@ def run_recipe(page_size: int, tree_core: str, tmp_path) -> torch.Tensor:
 @pytest.mark.all_seeds(page_size=(4,), tree_core=("rust",))
 @pytest.mark.parametrize("tree_core", ["rust", "python"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_no_stale_cow_after_device_hit_loss(tmp_path, page_size: int, tree_core: str) -> None:
+def test_no_stale_cow_after_device_hit_loss(request, tmp_path, page_size: int, tree_core: str) -> None:
+    if request.node.callspec.params.get("sim_device") == 2:
+        # Found by the simulated device (issue 22), open: with seed 2's lagging acks, A's
+        # Mamba slot is still protected (the re-issued lookup's anchor) when the recipe
+        # evicts everything, so another request cannot take it. Seeded: deterministic.
+        request.applymarker(
+            pytest.mark.xfail(strict=True, reason="issue 22, open: anchor slot protected under lagging acks")
+        )
     before = metrics.get("stale_cow_cleanups", "device_hit_loss")
     state = run_recipe(page_size, tree_core, tmp_path)
     assert all(torch.count_nonzero(t) == 0 for t in state), "R starts from another request's state"
