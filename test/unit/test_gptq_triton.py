@@ -12,7 +12,6 @@ import dataclasses
 import itertools
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -179,14 +178,9 @@ if __name__ == "__main__":
 # --------------------------------------------------------------------------- #
 @pytest.fixture(scope="module")
 def interp(tmp_path_factory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("gptq_interp") / "results.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(out)], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert p.returncode == 0, f"interpreter child failed:\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}"
-    with open(out) as f:
-        return json.load(f)
+    from triton_interp import run_child
+
+    return run_child(__file__, str(tmp_path_factory.mktemp("gptq_interp") / "results.json"))
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
