@@ -68,6 +68,9 @@ def run_recipe(page_size: int, tree_core: str, tmp_path) -> torch.Tensor:
         # A's state goes; another request takes Sa and writes 7.0 into it.
         # The re-issued lookup pins A as its anchor until it completes (a miss).
         h.wait_prefetch(r)
+        # A's host backup (write_through_selective) must be acked before A can go: under
+        # lagging acks it is still in flight here, and A's slot stays protected till then.
+        st.drain_host_writes()
         st.evict_all()
         taken = _take_slot(st, sa)
         st.mamba_cache.temporal[:, sa] = 7.0
@@ -87,14 +90,7 @@ def run_recipe(page_size: int, tree_core: str, tmp_path) -> torch.Tensor:
 @pytest.mark.all_seeds(page_size=(4,), tree_core=("rust",))
 @pytest.mark.parametrize("tree_core", ["rust", "python"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_no_stale_cow_after_device_hit_loss(request, tmp_path, page_size: int, tree_core: str) -> None:
-    if request.node.callspec.params.get("sim_device") == 2:
-        # Found by the simulated device (issue 22), open: with seed 2's lagging acks, A's
-        # Mamba slot is still protected (the re-issued lookup's anchor) when the recipe
-        # evicts everything, so another request cannot take it. Seeded: deterministic.
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason="issue 22, open: anchor slot protected under lagging acks")
-        )
+def test_no_stale_cow_after_device_hit_loss(tmp_path, page_size: int, tree_core: str) -> None:
     before = metrics.get("stale_cow_cleanups", "device_hit_loss")
     state = run_recipe(page_size, tree_core, tmp_path)
     assert all(torch.count_nonzero(t) == 0 for t in state), "R starts from another request's state"

@@ -555,6 +555,13 @@ class L3Stack:
             "L3 write-through to drain",
         )
 
+    def drain_host_writes(self) -> None:
+        """Wait until every device-to-host write is acked. A node whose host backup is
+        still in flight stays protected (its device rows are being read), and on a
+        device whose acks lag (the simulated one, a GPU) that lasts some ticks."""
+        cc = self.cache.cache_controller
+        _pump(self.cache, lambda: not cc.ack_write_queue, "device-to-host writes to be acked")
+
     def settle(self, timeout: float = 30.0, quiet_s: float = 1.0) -> None:
         """Drain write-through and the controller's host-release queues: backups
         finish in the storage thread and their staging memory comes back through
