@@ -129,22 +129,16 @@ def _image_conversation(servers: Qwen35Servers, flush_each_turn: bool) -> None:
     assert_same(back, generate(ref, text, [image]), "streamed restore with an image")
 
 
-@pytest.mark.xfail(
-    reason="issue 23, open: turn 2 (history with a 64-token image restored from L3 through the "
-    "small buffer) differs from the no-cache server by ~2e-4 in logprobs (tokens equal)",
-)
 def test_image_in_a_context_larger_than_the_host_buffer(servers: Qwen35Servers) -> None:
     """Streamed restore: before each turn the device cache is flushed, so the history
     with its image comes back from L3 through a buffer smaller than the context."""
     _image_conversation(servers, flush_each_turn=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 23, open: a turn whose history (image included) comes from the device cache "
-    "differs from the no-cache server by ~2e-4 in logprobs (tokens equal); from L3 it is exact",
-)
 def test_image_history_from_the_device_cache(servers: Qwen35Servers) -> None:
+    """The history, image included, comes from the device cache: the new part's
+    prefill starts at the cached prefix's end, not where the no-cache server's chunks
+    start (exact only with patch cpu-attention-invariant: ~2e-4 in logprobs without)."""
     _image_conversation(servers, flush_each_turn=False)
 
 

@@ -12,10 +12,9 @@ come from L3. In the `image` run, turn 4 adds an image (a data URL, OpenAI's
 `image_url` part). Every answer (text, tokens and logprobs) equals a server without
 any cache.
 
-Open (issue 23): the `image` run is a strict xfail. Its turn 4, an image in the new
-part of a prompt whose history comes from the device cache, differs from the no-cache
-server by ~1e-4 in logprobs (tokens equal); the same image turn after the history came
-back from L3 (test_images_server: turn 3) is exact. Cause not found yet.
+Turn 4 of the `image` run prefills an image after a history from the device cache:
+it is exact because the CPU attention gives a token the same output however its
+prefill is chunked (patch cpu-attention-invariant; without it, ~1e-4 in logprobs).
 """
 
 from __future__ import annotations
@@ -93,15 +92,7 @@ def _agent_loop(server, session: str, image: bool, flush_before=()) -> list[dict
     return turns
 
 
-IMAGE_OPEN = (
-    "issue 23, open: an image in the new part of a prompt whose history comes from the device "
-    "cache differs from the no-cache server by ~1e-4 in logprobs"
-)
-
-
-@pytest.mark.parametrize(
-    "image", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=IMAGE_OPEN))], ids=["text", "image"]
-)
+@pytest.mark.parametrize("image", [False, True], ids=["text", "image"])
 def test_openai_agent_loop_with_session_restores_from_l3(servers: Qwen35Servers, image: bool) -> None:
     l3 = servers.l3
     session = SESSION.format("image" if image else "text")

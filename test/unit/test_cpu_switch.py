@@ -24,6 +24,7 @@ CPU_IDS = (
     "cpu-extra-buffer",
     "cpu-pin-memory",
     "cpu-moe-gate",
+    "cpu-attention-invariant",
 )
 
 # A fresh process as SGLang starts one: the plugin applies the queue.

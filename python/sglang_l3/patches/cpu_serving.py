@@ -25,6 +25,10 @@ How, per entry:
 - cpu-extra-buffer: the platform check for --mamba-radix-cache-strategy
   extra_buffer returns True.
 - cpu-pin-memory: Tensor.pin_memory returns the tensor itself.
+- cpu-attention-invariant: AROUND the torch_native backend's extend SDPA, causal
+  self-attention runs in query blocks fixed in absolute positions
+  (sglang_l3.cpu_serving.attention): a token's output does not depend on where its
+  prefill chunk starts or ends, so cached and uncached prefills agree bit for bit.
 - cpu-tp-gloo: AROUND GroupCoordinator.__init__, the device communicators
   (PyNccl and friends) stay off when the group's backend is gloo, so `--tp-size 2`
   reduces CPU tensors with torch.distributed on the gloo group.
@@ -179,6 +183,15 @@ def _tp_gloo(ctx: PatchContext) -> None:
     ctx.around("sglang.srt.distributed.parallel_state:GroupCoordinator.__init__", init)
 
 
+def _attention_invariant(ctx: PatchContext) -> None:
+    from sglang_l3.cpu_serving.attention import sdpa_forward_extend
+
+    ctx.around(
+        "sglang.srt.layers.attention.torch_native_backend:TorchNativeAttnBackend._run_sdpa_forward_extend",
+        sdpa_forward_extend,
+    )
+
+
 _APPLY: dict[str, Callable[[PatchContext], None]] = {
     "cpu-gdn-torch": _gdn_torch,
     "cpu-qwen3next-ops": _qwen3next_ops,
@@ -189,4 +202,5 @@ _APPLY: dict[str, Callable[[PatchContext], None]] = {
     "cpu-extra-buffer": _extra_buffer,
     "cpu-pin-memory": _pin_memory,
     "cpu-tp-gloo": _tp_gloo,
+    "cpu-attention-invariant": _attention_invariant,
 }
