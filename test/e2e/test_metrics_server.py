@@ -23,7 +23,7 @@ from l3_e2e import (
     assert_same_output,
     restorable,
 )
-from sglang_l3.testing.server import Server, ServerConfig
+from sglang_l3.testing.server import CRASH_DIAGNOSTICS_LINE, Server, ServerConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -112,5 +112,7 @@ def test_counters_at_metrics_and_in_doctor_after_a_restore(tmp_path, hash_extens
         )
         for key in ("l3_restores", "store_read_hits", "store_read_pages", "store_write_ok"):
             assert stats[key] == prom[key], (key, stats, prom)
+    # the harness's stop is not a crash: no 5 s wait for crash diagnostics (ServerConfig.crash_diagnostics)
+    assert CRASH_DIAGNOSTICS_LINE not in s.log_text(), s.log_tail(20)
     # the server is gone: its counters expire
     assert doctor_stats(stats_dir).get("l3_restores", 0) == 0

@@ -64,6 +64,10 @@ LOW_HOST_MEMORY = (
     "No host memory is left for HiCache",
 )
 MEMORY_WAIT_S = 600.0
+# upstream's switches for the py-spy dump and CUDA coredump it takes before a crash exit
+# (sglang/srt/environ.py; TokenizerManager.dump_requests_before_crash sleeps 5 s first)
+CRASH_DIAGNOSTICS = ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH")
+CRASH_DIAGNOSTICS_LINE = "before crash diagnostics"
 
 
 def free_port() -> int:
@@ -162,6 +166,13 @@ class ServerConfig:
     sleep_on_idle: bool = True
     # upstream's default, as the user serves; False passes --disable-overlap-schedule
     overlap_schedule: bool = True
+    # Upstream's crash diagnostics (SGLANG_PYSPY_DUMP_BEFORE_CRASH,
+    # SGLANG_CUDA_COREDUMP_BEFORE_CRASH, both on by default) also run when the harness
+    # stops a server: the group's SIGTERM ends a scheduler, the launcher takes that for a
+    # crash and sleeps 5 s "to let GPU activity settle" before looking for py-spy. Off
+    # unless asked (a variable set in this process's environment wins): every stop in
+    # the suite paid those 5 s, and there is no py-spy here. True keeps upstream's.
+    crash_diagnostics: bool = False
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -172,6 +183,10 @@ class ServerConfig:
     def server_env(self) -> dict[str, str]:
         """Environment the server needs for this config (`env` overrides it)."""
         out: dict[str, str] = {}
+        if not self.crash_diagnostics:
+            for name in CRASH_DIAGNOSTICS:
+                if name not in os.environ:
+                    out[name] = "0"
         if self.device == "cpu" and self.tp_size > 1:
             # numa_utils.init_threads_binding asserts ranks <= NUMA nodes unless this
             # names each rank's cores ('|'-separated); without AMX/arm64 sgl-kernel
