@@ -18,9 +18,9 @@ hang is back, and the watchdog (SGLANG_L3_VERIFY=1, a 5 s margin) ends it on bot
 ranks alike, logging both ranks' state; the answers are still right.
 
 Servers: per TP one no-cache reference (stopped once its answers are taken), then one
-L3 server per case over one store (the first writes the prefix): all three policies at
-TP=1, `timeout` (the default) and `wait_complete` at TP=2, plus the watchdog's. One TP=2 server at
-a time (two shared cores).
+L3 server per case over a copy of one store (the first writes the prefix): all three
+policies at TP=1 and at TP=2, plus the watchdog's. One TP=2 server at a time (two shared
+cores).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import re
 import shutil
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,7 @@ POLICIES = ("best_effort", "wait_complete", "timeout")
 WATCHDOG = "l3_wait_abandoned"
 VERIFY_FAIL = "TP ranks made different L3 restore decisions"
 STREAM_START = re.compile(r"streamed restore req=(\S+) start=")
+STOP_BEST_EFFORT = re.compile(r"streamed restore aborted req=(\S+) reason=stop_best_effort landed=(\d+/\d+)")
 
 
 class Burst:
@@ -191,11 +193,9 @@ def run_burst(b: Burst, s: Server, n: int, policy: str, *, streamed: bool = True
     return [out[i] for i in range(n)]
 
 
-# every policy at TP=1; at TP=2 (two rank processes on two shared cores: slow starts) the
-# default `timeout` and `wait_complete` (the policies the issue reproduced the hang with)
-CASES = [pytest.param(1, p, id=f"tp1-{p}") for p in POLICIES] + [
-    pytest.param(2, p, id=f"tp2-{p}") for p in ("timeout", "wait_complete")
-]
+# every policy at TP=1 and at TP=2 (issue 24: all three; `best_effort` stops X1's stream at
+# its first admission poll on both ranks alike, and every request recomputes what it lacks)
+CASES = [pytest.param(tp, p, id=f"tp{tp}-{p}") for tp in (1, 2) for p in POLICIES]
 
 
 @pytest.mark.parametrize(("burst", "policy"), CASES, indirect=["burst"])
@@ -222,6 +222,12 @@ def test_burst_on_one_l3_prefix(burst: Burst, policy: str) -> None:
                     assert len(set(STREAM_START.findall(text))) == 1, text[-4000:]
                     assert "streamed restore truncated" not in text
                     assert re.search(r"streamed restore req=\S+ waits for req=", text)
+                else:
+                    # a stream that started stops at the same piece on every rank (one decision)
+                    started = STREAM_START.findall(text)
+                    stops = Counter(STOP_BEST_EFFORT.findall(text))
+                    assert {rid for rid, _ in stops} <= set(started), text[-4000:]
+                    assert all(k == burst.tp for k in stops.values()), stops
                 assert WATCHDOG not in text, s.log_tail(80)
                 assert VERIFY_FAIL not in text
         assert s.alive()
