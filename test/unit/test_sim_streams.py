@@ -156,11 +156,17 @@ def test_deferred_copies_indices_at_issue_and_data_by_reference(dev) -> None:
     s = torch.cpu.Stream()
     with torch.cpu.stream(s):
         qcopy(dst, src, idx)
+        qcopy(dst, src, idx)  # the same indices for a second launch (one layer after another)
     idx[:] = torch.tensor([5, 6])  # the caller reuses its index tensor
     src[1] = 100.0  # the source changes before the DMA runs
-    assert dst.sum() == 0 and s.pending() == ["copy"]
+    assert dst.sum() == 0 and s.pending() == ["copy", "copy"]
     s.synchronize()
     assert dst[1] == 100.0 and dst[2] == 2.0 and dst[5] == 0 and dst[6] == 0
+    with torch.cpu.stream(s):
+        qcopy(dst, src, idx)  # written in place since its last launch: snapshotted anew
+    idx[:] = torch.tensor([3, 4])
+    s.synchronize()
+    assert dst[5] == 5.0 and dst[6] == 6.0 and dst[3] == 0 and dst[4] == 0
     qcopy(dst, src, torch.tensor([7]))  # the default stream: at once
     assert dst[7] == 7.0
 

@@ -57,6 +57,9 @@ class _Device:
         self.polls = 0  # Event.query() calls on pending events
         self.lagged = 0  # ... that returned False
         self.error: Optional[BaseException] = None  # first failure on the device thread
+        # index tensors snapshotted at issue, by id: (tensor, version, snapshot); one piece's
+        # indices go to every layer's launch, and an unchanged tensor needs no new copy
+        self.snapshots: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self.stop = False
         self.worker: Optional[threading.Thread] = None
         if threaded:
@@ -127,8 +130,10 @@ class SimStream:
             else:
                 d.seq += 1
                 self._ops.append((d.seq, what, fn))
+                idle = not d.busy
                 d.busy.add(self)
-                d.cond.notify_all()
+                if idle:  # only an idle device thread waits for work (a launch wakes no CPU thread)
+                    d.cond.notify_all()
 
     def pending(self) -> list[str]:
         """Labels of the queued, not yet run, work (oldest first)."""
@@ -316,6 +321,21 @@ def _is_index(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and not x.is_floating_point() and x.dtype != torch.bool
 
 
+def _snapshot(x: torch.Tensor) -> torch.Tensor:
+    """A copy of index tensor `x` as it is now; the same copy while `x` is unchanged (same
+    object, same version counter: an in-place write to it takes a new copy)."""
+    d = _dev()
+    with d.lock:
+        hit = d.snapshots.get(id(x))
+        if hit is not None and hit[0] is x and hit[1] == x._version:
+            return hit[2]
+        if len(d.snapshots) >= 16:
+            d.snapshots.clear()
+        snap = x.clone()
+        d.snapshots[id(x)] = (x, x._version, snap)
+        return snap
+
+
 def deferred(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
     """Wrap a host<->device transfer: on a non-default current stream it is queued
     and touches memory when it runs, as a DMA does. Index tensors are copied at
@@ -329,8 +349,8 @@ def deferred(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
         s = current_stream()
         if s.default:
             return fn(*args, **kwargs)
-        a = tuple(x.clone() if _is_index(x) else x for x in args)
-        k = {n: (v.clone() if _is_index(v) else v) for n, v in kwargs.items()}
+        a = tuple(_snapshot(x) if _is_index(x) else x for x in args)
+        k = {n: (_snapshot(v) if _is_index(v) else v) for n, v in kwargs.items()}
         s.enqueue(lambda: fn(*a, **k), what)
         return None
 
