@@ -77,16 +77,26 @@ def test_the_scheduler_moves_on_while_a_piece_copy_is_queued(tmp_path, monkeypat
     with reader(spec, tmp_path, "rust") as st:
         st.scribble()
         load = st.cache.cache_controller.l2_transfer_engine.host_to_device_stream
-        h = st.start_prefetch(seq, "r")
-        s = _stream_of(st, h)
         queued_after_tick = 0
-        bp = st.cache.buffer_pipeline
-        while not (st.cache.check_prefetch_progress(h) and bp.has_staged(h)):
+        events = st.cache.check_hicache_events
+
+        def tick() -> None:
+            """One scheduler tick, wherever the test runs one (also while waiting for the
+            stream to start: a fast first read is copied there); it returns without the copy."""
+            nonlocal queued_after_tick
             before = len(issued)
-            st.cache.check_hicache_events()  # one scheduler tick: returns without the copy
+            events()
             for ev in issued[before:]:
                 queued_after_tick += not ev.done()
                 assert "kv-load" in load.pending()
+
+        monkeypatch.setattr(st.cache, "check_hicache_events", tick)
+        h = st.start_prefetch(seq, "r")
+        s = _stream_of(st, h)
+        bp = st.cache.buffer_pipeline
+        while not (st.cache.check_prefetch_progress(h) and bp.has_staged(h)):
+            before = len(issued)
+            st.cache.check_hicache_events()
             if len(issued) > before:
                 assert s.copying and s.copying[-1].copied is issued[-1]
         assert len(issued) >= 6 and queued_after_tick == len(issued), "every copy was still queued after its tick"
