@@ -23,7 +23,9 @@ device holds nothing then), R = tokens restored from L3 and C = tokens restorabl
 checkpoint: the agent's previous turn as computed (its input and its answer but the
 last token), floored to the 64-token Mamba checkpoint grid (a hybrid prefix is only
 restorable where a state is stored). R < C means L3 lost part of a turn it was given
-(issue 24: writes dropped as parent_not_stored).
+(issue 24: writes dropped as parent_not_stored), or a page of it was damaged by this
+soak: each short restore is printed with which, and the summary line counts them
+(short_restores=, short_after_damage=).
 
 Bursts (issue 24; --p-burst of the plan's entries): a long prefix (4-8x the host
 staging buffer, on a device pool too short for two copies of it) is written to L3
@@ -188,6 +190,8 @@ def main() -> int:
     requests = mismatches = hangs = restored = disagreements = 0
     flush_restored = flush_restorable = 0
     flushes = faults = aborts = bursts = shared = 0
+    short = short_damaged = 0  # restores after a flush shorter than restorable; of them, past a damaged page
+    damaged: set[str] = set()  # page keys this soak damaged (any pool, any rank)
     max_dlogp = 0.0
     t1 = time.monotonic()
     server = Server(config(True), work / "hicache.log", startup_timeout=args.startup_timeout)
@@ -227,8 +231,10 @@ def main() -> int:
                 server.flush_cache(timeout=args.request_timeout)
                 flushes += 1
             elif r < args.p_flush + args.p_fault:
-                if fault(store, ids, rng, args.tp, get_hash_str):
+                key = fault(store, ids, rng, args.tp, get_hash_str)
+                if key is not None:
                     faults += 1
+                    damaged.add(key)
             elif r < args.p_flush + args.p_fault + args.p_abort:
                 aborts += abort_copy(
                     server,
@@ -258,7 +264,14 @@ def main() -> int:
                 flush_restored += g.cached_storage
                 flush_restorable += restorable[i]
                 if g.cached_storage < restorable[i]:
-                    print(f"  short restore request {i}: {g.cached_storage} of {restorable[i]}", flush=True)
+                    # a page damaged by this soak between the restored end and the restorable
+                    # one explains it ("damage costs only the damaged part")
+                    keys = get_hash_str(ids[: restorable[i]], None, page_size=CHECKPOINT)
+                    hit = [k for k in keys[g.cached_storage // CHECKPOINT :] if k in damaged]
+                    short += 1
+                    short_damaged += bool(hit)
+                    why = f"a page damaged earlier: {hit[0][:12]}" if hit else "no damaged page in the lost part"
+                    print(f"  short restore request {i}: {g.cached_storage} of {restorable[i]} ({why})", flush=True)
             bad, dlogp = compare(g, refs[i], f"request {i}")
             mismatches += bad
             max_dlogp = max(max_dlogp, dlogp)
@@ -276,6 +289,7 @@ def main() -> int:
         f"soak_server: tp={args.tp} agents={args.agents} seed={args.seed} flushes={flushes} "
         f"faults={faults} aborts={aborts} bursts={bursts} burst_shared={shared} "
         f"wait_abandoned={abandoned} max_logprob_diff={max_dlogp:.3g} "
+        f"short_restores={short} short_after_damage={short_damaged} "
         f"reference {t1 - t0:.0f}s, soak {time.monotonic() - t1:.0f}s, logs in {work}"
     )
     print(
@@ -356,17 +370,18 @@ def run_burst(
     return [g if g is not None else TimeoutError("no answer") for g in out]
 
 
-def fault(store: Path, ids: list[int], rng: random.Random, tp: int, get_hash_str) -> bool:
-    """Damage one rank's page file of the next request's prefix (or any page)."""
+def fault(store: Path, ids: list[int], rng: random.Random, tp: int, get_hash_str) -> str | None:
+    """Damage one rank's page file of the next request's prefix (or any page); returns
+    the damaged page's key, None if nothing was damaged."""
     pages = store / "pages"
     if not pages.is_dir():
-        return False
+        return None
     keys = get_hash_str(ids[: len(ids) // 64 * 64], None, page_size=64)
     rank = rng.randrange(tp)
     mine = [p for p in pages.glob(f"*.r{rank}of{tp}.bin")]
     wanted = [p for p in mine if p.name.split(".", 1)[0] in set(keys)] or mine
     if not wanted:
-        return False
+        return None
     victim = rng.choice(sorted(wanted))
     mode = rng.choice(["delete", "truncate", "flip", "foreign"] if tp == 2 else ["delete", "truncate", "flip"])
     try:
@@ -387,8 +402,8 @@ def fault(store: Path, ids: list[int], rng: random.Random, tp: int, get_hash_str
             shutil.copyfile(other, tmp)
             os.replace(tmp, victim)
     except OSError:  # raced with the store's own eviction / quarantine
-        return False
-    return True
+        return None
+    return victim.name.split(".", 1)[0]
 
 
 def abort_copy(

@@ -8,7 +8,7 @@ import multiprocessing as mp
 import traceback
 
 import pytest
-from sglang_l3.testing.server import ServerConfig, omp_threads_bind
+from sglang_l3.testing.server import CRASH_DIAGNOSTICS, ServerConfig, omp_threads_bind
 
 
 def test_server_config_tp2_flag_and_thread_binding() -> None:
@@ -23,8 +23,11 @@ def test_server_config_tp2_flag_and_thread_binding() -> None:
     assert len(omp_threads_bind(3).split("|")) == 3  # more ranks than cores: shared
     # an explicit env wins over the derived one (applied after it in Server.start)
     assert ServerConfig(tp_size=2, env={"SGLANG_CPU_OMP_THREADS_BIND": "0|0"}).env
-    # GPU servers need no CPU binding
-    assert ServerConfig(tp_size=2, device="cuda").server_env() == {}
+    # GPU servers need no CPU binding: what is left is upstream's crash diagnostics
+    # switched off (ServerConfig.crash_diagnostics), unless this environment names them
+    gpu = ServerConfig(tp_size=2, device="cuda").server_env()
+    assert set(gpu) <= set(CRASH_DIAGNOSTICS) and all(v == "0" for v in gpu.values()), gpu
+    assert ServerConfig(tp_size=2, device="cuda", crash_diagnostics=True).server_env() == {}
 
 
 def _worker(rank: int, init: str, scenario: str, q: mp.Queue) -> None:
