@@ -303,9 +303,16 @@ def main() -> int:
 
 def compare(g, want, what: str) -> tuple[int, float]:
     """(1 if the answer differs from the no-cache one, largest logprob difference)."""
-    dlogp = max((abs(x - y) for x, y in zip(g.logprobs, want.logprobs)), default=0.0)
+    diffs = [abs(x - y) for x, y in zip(g.logprobs, want.logprobs)]
+    dlogp = max(diffs, default=0.0)
     if g.output_ids != want.output_ids or dlogp > 0.0:
-        print(f"  MISMATCH {what}: {g.output_ids} vs {want.output_ids} (dlogprob {dlogp:.3g}, {g.source})", flush=True)
+        # output positions that differ: 0 is the prefill's token, later ones are decode steps
+        where = [k for k, d in enumerate(diffs) if d > 0.0]
+        print(
+            f"  MISMATCH {what}: {g.output_ids} vs {want.output_ids} (dlogprob {dlogp:.3g} at output "
+            f"positions {where}, {g.source})",
+            flush=True,
+        )
         return 1, dlogp
     return 0, dlogp
 
