@@ -8,6 +8,8 @@ it prints counts, and its last line is exactly
     nice -n 10 .venv/bin/python benchmark/soak_server.py --tp 2
         [--requests 300 --agents 8 --seed 1 --new-tokens 4 --work DIR]
         [--pool 4096 --hicache-ratio 0.09 --max-history 2300]   (issue 24's workload)
+        [--entries N]                  (the same plan and draws, cut after N entries: replay one request)
+        [--disable-overlap-schedule]   (both servers; the user's have it on)
 
 Phase 1 runs the whole workload on the no-cache server (histories grow with
 its answers); phase 2 replays the same inputs, in the same order, on a
@@ -110,6 +112,17 @@ def main() -> int:
     ap.add_argument("--request-timeout", type=float, default=180.0)
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--work", default=None, help="logs and store (default: a temporary directory)")
+    ap.add_argument(
+        "--entries",
+        type=int,
+        default=None,
+        help="run only the plan's first N entries (the same plan and draws: to replay one burst quickly)",
+    )
+    ap.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="both servers without overlap scheduling (the user's servers have it on)",
+    )
     args = ap.parse_args()
 
     from sglang_l3.testing.server import (
@@ -134,6 +147,8 @@ def main() -> int:
     if host < 64 or 8 * host + 80 > args.pool:
         ap.error("a burst context (4-8x the host buffer, at least one page) must fit the device pool")
     plan = workload(rng, args.requests, args.agents, args.p_burst, host)
+    if args.entries is not None:
+        plan = plan[: args.entries]
     systems = [prompt(9000 + i, 128) for i in range(2)]
 
     def config(with_store: bool) -> ServerConfig:
@@ -146,6 +161,7 @@ def main() -> int:
             prefetch_threshold=64 if with_store else None,
             extra_args=["--hicache-ratio", f"{ratio:.6f}"] if with_store else [],
             env={"SGLANG_L3_VERIFY": "1"},
+            overlap_schedule=not args.disable_overlap_schedule,
         )
 
     # ---------------------------------------------------------------- phase 1
@@ -298,7 +314,8 @@ def main() -> int:
         f"restored_vs_restorable={flush_restored}/{flush_restorable}",
         flush=True,
     )
-    return 1 if (mismatches or hangs or disagreements or abandoned or requests < args.requests) else 0
+    wanted = args.requests if args.entries is None else sum(len(e[3]) if e[0] == "burst" else 1 for e in plan)
+    return 1 if (mismatches or hangs or disagreements or abandoned or requests < wanted) else 0
 
 
 def compare(g, want, what: str) -> tuple[int, float]:
@@ -310,7 +327,7 @@ def compare(g, want, what: str) -> tuple[int, float]:
         where = [k for k, d in enumerate(diffs) if d > 0.0]
         print(
             f"  MISMATCH {what}: {g.output_ids} vs {want.output_ids} (dlogprob {dlogp:.3g} at output "
-            f"positions {where}, {g.source})",
+            f"positions {where}, {g.source}; no-cache: {want.source})",
             flush=True,
         )
         return 1, dlogp

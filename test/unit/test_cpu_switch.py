@@ -25,6 +25,7 @@ CPU_IDS = (
     "cpu-pin-memory",
     "cpu-moe-gate",
     "cpu-attention-invariant",
+    "cpu-linear-invariant",
 )
 
 # A fresh process as SGLang starts one: the plugin applies the queue.

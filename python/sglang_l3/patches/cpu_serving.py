@@ -192,6 +192,16 @@ def _attention_invariant(ctx: PatchContext) -> None:
     )
 
 
+def _linear_invariant(ctx: PatchContext) -> None:
+    from sglang_l3.cpu_serving.linear import compute_lm_head, linear_apply, linear_apply_into, moe_forward_native
+
+    method = "sglang.srt.layers.quantization.unquant:UnquantizedLinearMethod"
+    ctx.around(f"{method}.apply", linear_apply)
+    ctx.around(f"{method}.apply_into", linear_apply_into)
+    ctx.around("sglang.srt.layers.logits_processor:LogitsProcessor._compute_lm_head", compute_lm_head)
+    ctx.around("sglang.srt.layers.moe.fused_moe_native:moe_forward_native", moe_forward_native)
+
+
 _APPLY: dict[str, Callable[[PatchContext], None]] = {
     "cpu-gdn-torch": _gdn_torch,
     "cpu-qwen3next-ops": _qwen3next_ops,
@@ -203,4 +213,5 @@ _APPLY: dict[str, Callable[[PatchContext], None]] = {
     "cpu-pin-memory": _pin_memory,
     "cpu-tp-gloo": _tp_gloo,
     "cpu-attention-invariant": _attention_invariant,
+    "cpu-linear-invariant": _linear_invariant,
 }
