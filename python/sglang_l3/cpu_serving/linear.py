@@ -20,6 +20,7 @@ matmul; ATen's own bf16 GEMM (mkldnn off) is also invariant but ~60x slower.
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -39,7 +40,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     pad = -m % BLOCK
     if pad:
         rows = torch.cat([rows, rows.new_zeros(pad, k)])
-    out = torch.cat([F.linear(rows[i : i + BLOCK], weight, bias) for i in range(0, m + pad, BLOCK)])
+    if m + pad == BLOCK:  # decode and short tails: one call, no concatenation
+        out = F.linear(rows, weight, bias)
+    else:
+        out = torch.cat([F.linear(rows[i : i + BLOCK], weight, bias) for i in range(0, m + pad, BLOCK)])
     return out[:m].reshape(*lead, weight.shape[0])
 
 
@@ -129,8 +133,6 @@ def moe_forward_native(original, layer: torch.nn.Module, x: torch.Tensor, *args,
     two F.linear calls take the tokens routed to it, whose count (M) changes with the
     batch; inside the call the module's `F` is ROWS_F, so they are row-invariant.
     Only the scheduler thread of a rank runs a forward, so the swap has no other reader."""
-    import sys
-
     module = sys.modules[original.__module__]
     if x.device.type != "cpu" or getattr(module, "F", None) is not F:
         return original(layer, x, *args, **kwargs)
