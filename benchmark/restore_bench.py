@@ -7,7 +7,8 @@ HybridCacheController + buffer-only HiCache) and our store (patch store-file), w
 the streamed patches (issue 11). Per row (model, context, host staging buffer):
 tokens, bytes, restore seconds (storage -> device, cold page cache), GB/s, the
 store's own cold read GB/s of the same KV pages measured right before each restore
-(medians over --repeat such pairs, default 3), CPU-seconds per GiB, and upstream's
+(medians over --repeat such pairs, default 3), CPU-seconds per GiB of the restore and of the store read
+(`store_cpu`: what reading and checking the pages costs by itself), and upstream's
 result on the same row (restored tokens with the patch `streamed-restore` undone
 in-process; 0 where upstream declines).
 
@@ -348,16 +349,16 @@ def measure_store_read(m: ModelShape, keys: list[str], store: str) -> dict:
         host = cc.mem_pool_host.alloc(region)
         touch_host_pools(cc)  # as for the restore: resident memory, cold disk
         drop_page_cache(store)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         ok = 0
         for i in range(0, len(keys), batch_pages):
             batch = keys[i : i + batch_pages]
             res = cc.storage_backend.batch_get_v1(batch, host[: len(batch) * PAGE])
             ok += sum(bool(x) for x in res)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         cc.mem_pool_host.free(host)
     free_memory()
-    return {"pages": ok, "wall": wall}
+    return {"pages": ok, "wall": wall, "cpu": cpu}
 
 
 # Pools besides the KV ones, in Mamba states (device slots, the requests' own and
@@ -469,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {m.name}: KV {m.kv_bytes_per_token()} B/token, GDN state {m.state_bytes()} B")
     hdr = (
         f"{'model':20s} {'context':>8s} {'buffer':>6s} {'host_tok':>8s} {'tokens':>8s} {'bytes':>12s} "
-        f"{'restore_s':>9s} {'GB/s':>6s} {'store_GB/s':>10s} {'ratio':>6s} {'cpu_s/GiB':>9s} {'exact':>5s} {'upstream':>8s}"
+        f"{'restore_s':>9s} {'GB/s':>6s} {'store_GB/s':>10s} {'ratio':>6s} {'cpu_s/GiB':>9s} {'store_cpu':>9s} {'exact':>5s} {'upstream':>8s}"
     )
     print(hdr)
     small: list[tuple[int, float, float, float]] = []  # (context, R, F, U)
@@ -516,10 +517,11 @@ def main(argv: list[str] | None = None) -> int:
                     total = ours["loaded"] * m.kv_bytes_per_token() + (m.state_bytes() if ours["loaded"] else 0)
                     gbps = total / ours["wall"] / 1e9 if ours["loaded"] else 0.0
                     cpu_gib = ours["cpu"] / (total / 2**30) if total else float("nan")
+                    store_cpu_gib = statistics.median(r["cpu"] for r in reads) / (kv_bytes / 2**30)
                     ratio = gbps / store_gbps if not math.isnan(store_gbps) else float("nan")
                     print(
                         f"{m.name:20s} {context:>8d} {label:>6s} {ours['host']:>8d} {ours['loaded']:>8d} {total:>12d} "
-                        f"{ours['wall']:>9.3f} {gbps:>6.2f} {store_gbps:>10.2f} {ratio:>6.2f} {cpu_gib:>9.2f} "
+                        f"{ours['wall']:>9.3f} {gbps:>6.2f} {store_gbps:>10.2f} {ratio:>6.2f} {cpu_gib:>9.2f} {store_cpu_gib:>9.2f} "
                         f"{ours['exact']!s:>5s} {'-' if up is None else up:>8}",
                         flush=True,
                     )
