@@ -27,9 +27,10 @@ dropped from the cache (the cache is the storage).
 Not a test: numbers only. The last line is
 
   read_vs_raw=R1 write_vs_raw=R2 read_vs_upstream=R3 write_vs_upstream=R4 \
-  read_cpu_s_per_gib=A write_cpu_s_per_gib=B
+  read_cpu_s_per_gib=A write_cpu_s_per_gib=B read_gbps=G1 write_gbps=G2
 
-(A, B: our store's CPU-seconds per GiB.)
+(A, B: our store's CPU-seconds per GiB; G1, G2: its GB/s, which
+`sglang-l3 plan --measure DIR` reads.)
 
 Examples: python benchmark/storage_bench.py --size 2.5GiB
           nice -n 10 python benchmark/storage_bench.py --tmpfs --size 1GiB --thread-sweep 1,2,4
@@ -601,6 +602,8 @@ def main() -> int:
     if up:
         line += f" read_vs_upstream={o['read'] / up['read']:.2f} write_vs_upstream={o['write'] / up['write']:.2f}"
     line += f" read_cpu_s_per_gib={o['read_cpu']:.3f} write_cpu_s_per_gib={o['write_cpu']:.3f}"
+    # our store's own figures, for `sglang-l3 plan --measure`
+    line += f" read_gbps={o['read'] / 1e9:.3f} write_gbps={o['write'] / 1e9:.3f}"
     print(line, flush=True)
     return 0
 
