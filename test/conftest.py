@@ -104,6 +104,7 @@ SLOW_FIRST = (
     "e2e/test_startup_errors.py",
     "e2e/test_metrics_server.py",
     "e2e/test_bad_request.py",
+    "e2e/test_plan_server.py",
 )
 _HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -131,6 +131,9 @@ def test_device_pools_by_hand() -> None:
     assert p.states_per_context == 262144 // 8192 == 32
     assert "--max-total-tokens %d" % p.device_kv_tokens in p.flags
     assert "--max-mamba-cache-size 6" in p.flags and "--max-running-requests 1" in p.flags
+    assert (
+        "--quantization gptq" in p.flags and "--quantization gptq" not in make_plan(_inputs(tp=4, quant="bf16")).flags
+    )
 
 
 def test_host_pools_follow_upstreams_ratio_rule() -> None:
@@ -229,3 +232,52 @@ def test_cli_refusals_name_the_setting(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--gpu-mem" in r.stderr
     r = _cli("--model", "Qwen3.5-27B", "--context", "long")
     assert r.returncode == 2 and "--context" in r.stderr
+
+
+def test_printed_launch_command_parses() -> None:
+    """Every flag the plan prints is accepted by upstream's parser (with the plugin
+    applied: `--hicache-mem-layout buffer_only` is patch cli-buffer-only's)."""
+    import argparse
+    import shlex
+
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_l3.plan.render import launch_command
+
+    p = make_plan(_inputs(weights_bytes=8 * GiB))
+    argv = shlex.split(launch_command(p, "Qwen/Qwen3.5-27B-GPTQ-Int4").replace("\\\n", " "))[3:]
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    assert ns.max_total_tokens == p.device_kv_tokens and ns.max_mamba_cache_size == p.device_mamba_slots
+    assert ns.hicache_ratio == float(p.hicache_ratio) and ns.hicache_mem_layout == "buffer_only"
+    assert json.loads(ns.hicache_storage_backend_extra_config)["max_bytes"] == p.l3_cap
+
+
+def test_readme_and_docs_show_what_the_command_prints() -> None:
+    """The user's case in README.md and docs/plan.md is the command's real output."""
+    args = "--model Qwen3.5-27B --quant gptq-4bit --tp 2 --gpu-mem 24GiB --host-ram 64GiB --agents 2 --context 256K"
+    out = _cli(*args.split())
+    assert out.returncode == 0, out.stderr
+    readme, doc = (ROOT / "README.md").read_text(), (ROOT / "docs" / "plan.md").read_text()
+    assert f"$ sglang-l3 plan {args}\n" in readme and f"$ sglang-l3 plan {args}\n" in doc
+    assert out.stdout.split("\nlaunch\n")[0].rstrip() in readme
+    assert out.stdout in doc
+
+
+def test_measure_refuses_a_missing_directory(tmp_path: Path) -> None:
+    r = _cli("--model", "Qwen3.5-27B", "--measure", str(tmp_path / "nowhere"))
+    assert r.returncode == 2 and "--measure" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("--model", "Qwen3.5-27B", "--measure", str(tmp_path), "--disk-read-gbps", "2")
+    assert r.returncode == 2 and "give one" in r.stderr
+
+
+@pytest.mark.slow
+def test_measure_runs_the_stores_benchmark(tmp_path: Path) -> None:
+    """--measure takes the read speed our store reached in storage_bench.py on DIR."""
+    args = ["--model", "Qwen3.5-27B", "--quant", "gptq-4bit", "--tp", "2", "--json"]
+    r = _cli(*args, "--measure", str(tmp_path), "--measure-size", "64MiB")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["disk_read_gbps"] > 0 and out["disk_source"].startswith(f"measured on {tmp_path}")
+    assert list(tmp_path.iterdir()) == []  # the benchmark cleaned up after itself

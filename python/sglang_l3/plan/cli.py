@@ -43,6 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nvme", default="1TiB", help="L3 store budget on the NVMe (the store cap; default 1TiB)")
     p.add_argument("--disk-read-gbps", type=float, default=None, help="the disk's read speed through the store, GB/s")
     p.add_argument("--measure", metavar="DIR", default=None, help="measure the read speed on DIR (storage_bench.py)")
+    p.add_argument("--measure-size", default="1GiB", help="bytes --measure writes and reads (default 1GiB)")
     p.add_argument("--link-gbps", type=float, default=None, help="host->device GB/s per GPU (default 25: PCIe 4.0 x16)")
     p.add_argument("--agents", type=int, default=2, help="number of agents (default 2)")
     p.add_argument("--context", default="256K", help="tokens per agent context (default 256K)")
@@ -95,7 +96,7 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
         from sglang_l3.plan.measure import MeasureError, read_gbps
 
         try:
-            i.disk_read_gbps = read_gbps(args.measure)
+            i.disk_read_gbps = read_gbps(args.measure, args.measure_size)
         except MeasureError as e:
             raise PlanError(str(e)) from e
         i.disk_source = f"measured on {args.measure} by storage_bench.py"

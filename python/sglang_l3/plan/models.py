@@ -103,7 +103,7 @@ def load(model: str) -> tuple[str, dict[str, Any], str]:
     """(name, config, where it came from) for a packaged name, a config.json or a
     model directory holding one."""
     if model in PUBLISHED:
-        return model, PUBLISHED[model], "packaged table (published config.json fields)"
+        return model, PUBLISHED[model], "packaged table: published config.json fields"
     path = TINY_DIR / model / "config.json" if model in TINY else Path(model).expanduser()
     if path.is_dir():
         path = path / "config.json"

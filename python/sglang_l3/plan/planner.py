@@ -275,6 +275,8 @@ def make_plan(i: Inputs) -> Plan:
         "--hicache-mem-layout buffer_only",
         f"--hicache-ratio {ratio}",
     ]
+    if i.quant.startswith("gptq"):
+        flags[1:1] = ["--quantization gptq", "--dtype float16"]  # GPTQ's activation dtype (docs/rdna3.md)
     store = {"store_dir": i.store_dir, "max_bytes": int(i.nvme)}
     return Plan(
         model=i.model,
