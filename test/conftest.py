@@ -103,7 +103,9 @@ SLOW_FIRST = (
     "e2e/test_streamed_server.py",
     "e2e/test_startup_errors.py",
     "e2e/test_metrics_server.py",
+    "e2e/test_runtime_attach.py",
     "e2e/test_bad_request.py",
+    "integration/test_fault_controls.py",
 )
 _HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -152,7 +152,8 @@ _VARS = (
         "restore, to prove SGLANG_L3_VERIFY=1 catches a rank disagreement; skip-load-fence removes the streamed "
         "restore's fence on the forward stream, to prove the simulated-stream tests catch it; stream-hold@PATH makes "
         "streamed restores start no read while PATH exists (at most 120 s), to queue requests behind a stream in "
-        "flight; never set in production",
+        "flight; honoured only while the CPU switch or the simulated device is active (sglang_l3.faults), ignored "
+        "elsewhere; never set in production",
         "tests",
     ),
     EnvVar(
