@@ -56,7 +56,8 @@ _VARS = (
         "SGLANG_L3_WAIT_MARGIN",
         "30",
         "seconds past its prefetch budget a request may wait on L3 while the scheduler is idle before the "
-        "l3-wait-watchdog (SGLANG_L3_VERIFY=1) logs every rank's state and recomputes it",
+        "l3-wait-watchdog reports it (one warning, counter l3_wait_overdue; with SGLANG_L3_VERIFY=1 it logs every "
+        "rank's state and recomputes it)",
         "serving",
     ),
     EnvVar(
