@@ -89,15 +89,14 @@ def media_ids(values: Any, where: str) -> list[tuple[str, Any]]:
 def _check_mm(self: Any, obj: Any) -> None:
     # a multimodal request's own ids: an id outside the vocabulary is never an image
     # placeholder (upstream's decode of it is a 500, or it is dropped or clamped)
-    vocab_size = int(self.model_config.vocab_size)
     contains_mm = getattr(obj, "contains_mm_input", None)
     if getattr(obj, "input_ids", None) is not None and callable(contains_mm) and contains_mm():
-        problem = first_bad_id(obj.input_ids, vocab_size)
+        problem = first_bad_id(obj.input_ids, int(self.model_config.vocab_size))
         if problem is not None:
             raise ValueError(problem)
     for field in MEDIA_FIELDS:
         for where, ids in media_ids(getattr(obj, field, None), field):
-            problem = first_bad_id(flat_ids(ids), vocab_size)
+            problem = first_bad_id(flat_ids(ids), int(self.model_config.vocab_size))
             if problem is not None:
                 raise ValueError(f"{where} (a preprocessed media item): {problem}")
 
