@@ -29,7 +29,7 @@ def pytest_configure(config: pytest.Config) -> None:
         ("e2e", "starts a real SGLang server"),
         ("slow", "takes more than a few seconds"),
         ("aot", "ahead-of-time compiles Triton kernels for gfx1100 (no GPU needed)"),
-        ("l3_wait_abandoned_expected", "the test makes the L3 wait watchdog abandon a request on purpose"),
+        ("l3_wait_abandoned_expected", "the test makes the L3 wait watchdog abandon or report a request on purpose"),
     ):
         config.addinivalue_line("markers", f"{name}: {doc}")
     if not _gpu_present():
@@ -103,8 +103,10 @@ SLOW_FIRST = (
     "e2e/test_streamed_server.py",
     "e2e/test_startup_errors.py",
     "e2e/test_metrics_server.py",
+    "e2e/test_runtime_attach.py",
     "e2e/test_bad_request.py",
     "e2e/test_plan_server.py",
+    "integration/test_fault_controls.py",
 )
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -171,15 +173,19 @@ def _order(rel: str) -> int:
 
 @pytest.fixture(autouse=True)
 def _no_l3_wait_abandoned(request: pytest.FixtureRequest):
-    """The L3 wait watchdog's counter must stay 0: a request abandoned by it waited
-    on L3 past its budget (a hang, ended). Servers' counters: tp2_e2e.generate."""
+    """The L3 wait watchdog's counters must stay 0: a request it abandoned (verify
+    mode) or reported (detect mode, `l3_wait_overdue`) waited on L3 past its budget.
+    Servers' counters: tp2_e2e.generate."""
     from sglang_l3 import metrics
 
-    before = metrics.get("l3_wait_abandoned")
+    names = ("l3_wait_abandoned", "l3_wait_overdue")
+    before = [metrics.get(n) for n in names]
     yield
-    after = metrics.get("l3_wait_abandoned")
-    if after != before and request.node.get_closest_marker("l3_wait_abandoned_expected") is None:
-        pytest.fail(f"l3_wait_abandoned rose by {after - before}: a request waited on L3 past its budget")
+    if request.node.get_closest_marker("l3_wait_abandoned_expected") is not None:
+        return
+    for name, b in zip(names, before):
+        if metrics.get(name) != b:
+            pytest.fail(f"{name} rose by {metrics.get(name) - b}: a request waited on L3 past its budget")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

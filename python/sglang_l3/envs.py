@@ -56,7 +56,8 @@ _VARS = (
         "SGLANG_L3_WAIT_MARGIN",
         "30",
         "seconds past its prefetch budget a request may wait on L3 while the scheduler is idle before the "
-        "l3-wait-watchdog (SGLANG_L3_VERIFY=1) logs every rank's state and recomputes it",
+        "l3-wait-watchdog reports it (one warning, counter l3_wait_overdue; with SGLANG_L3_VERIFY=1 it logs every "
+        "rank's state and recomputes it)",
         "serving",
     ),
     EnvVar(
@@ -152,7 +153,8 @@ _VARS = (
         "restore, to prove SGLANG_L3_VERIFY=1 catches a rank disagreement; skip-load-fence removes the streamed "
         "restore's fence on the forward stream, to prove the simulated-stream tests catch it; stream-hold@PATH makes "
         "streamed restores start no read while PATH exists (at most 120 s), to queue requests behind a stream in "
-        "flight; never set in production",
+        "flight; honoured only while the CPU switch or the simulated device is active (sglang_l3.faults), ignored "
+        "elsewhere; never set in production",
         "tests",
     ),
     EnvVar(

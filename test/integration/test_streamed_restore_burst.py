@@ -164,7 +164,7 @@ def test_watchdog_ends_the_hang(tmp_path, monkeypatch) -> None:
     def watch(h, idle: bool) -> None:
         h.stack.cache.prefetch_timeout_base = 0.0
         h.stack.cache.prefetch_timeout_per_page = 0.0
-        abandoned.extend(wd.check(h.s, idle))
+        abandoned.extend(wd.check(h.s, idle, verify=True))
 
     framework.undo("stream-share")
     try:
@@ -174,3 +174,58 @@ def test_watchdog_ends_the_hang(tmp_path, monkeypatch) -> None:
     assert abandoned == ["X2"], abandoned
     assert delta.get("l3_wait_abandoned") == 1, delta
     assert got["X1"][0] == 0 and got["X2"][0] in (0, PREFIX), got  # X1 recomputed (its hold was dropped)
+
+
+class _Reported(Exception):
+    pass
+
+
+@pytest.mark.l3_wait_abandoned_expected
+def test_watchdog_detect_mode_logs_and_changes_nothing(tmp_path, monkeypatch, caplog) -> None:
+    """The watchdog's default mode (no SGLANG_L3_VERIFY) with the fix undone: once X2
+    has idle-waited past budget + margin, one warning names X2, its stream and how long,
+    and `l3_wait_overdue` rises by 1; no collective runs, nothing is released, X2 stays
+    queued on its stream, and later passes do not report it again."""
+    import logging
+
+    from sglang_l3.patches import l3_wait_watchdog as wd
+
+    monkeypatch.setenv(wd.MARGIN_ENV, "0.5")
+    monkeypatch.delenv("SGLANG_L3_VERIFY", raising=False)
+    assert not wd.verify_mode()
+    reported: list = []
+    seen: dict = {}
+
+    def no_collective(*a, **k):
+        raise AssertionError("detect mode ran a collective")
+
+    def watch(h, idle: bool) -> None:
+        cache = h.stack.cache
+        cache.prefetch_timeout_base = 0.0
+        cache.prefetch_timeout_per_page = 0.0
+        with monkeypatch.context() as m:
+            m.setattr(cache, "_all_reduce", no_collective)
+            now = wd.check(h.s, idle)
+        reported.extend(now)
+        if reported and "after" not in seen:
+            x2 = next(r for r in h.s.waiting_queue if r.rid == "X2")
+            seen["stream"] = wd.waiting_on_l3(cache, x2)
+            seen["after"] = 0
+        elif reported:
+            seen["after"] += 1
+            if seen["after"] >= 20:  # more idle passes: reported once per wait
+                raise _Reported
+
+    before = metrics.get(wd.OVERDUE), metrics.get(wd.MARK)
+    framework.undo("stream-share")
+    try:
+        with caplog.at_level(logging.WARNING, logger="sglang_l3.l3_wait_watchdog"):
+            with pytest.raises(_Reported):
+                _burst(tmp_path, "rust", 2, True, after_pass=watch, passes=100_000)
+    finally:
+        framework.apply_one(next(s for s in framework.load_series() if s.id == "stream-share"))
+    assert reported == ["X2"], reported
+    assert (seen["stream"] or "").startswith("stream "), seen  # still waiting on its stream
+    assert metrics.get(wd.OVERDUE) - before[0] == 1 and metrics.get(wd.MARK) == before[1]
+    lines = [r.getMessage() for r in caplog.records if wd.OVERDUE in r.getMessage()]
+    assert len(lines) == 1 and "req=X2" in lines[0] and "stream " in lines[0] and "idle-waited" in lines[0], lines

@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.utils import storage_namespace_seed
 from sglang.srt.multimodal.cache.identity import resolve_multimodal_item_hash
 from sglang.srt.sampling.sampling_params import SamplingParams
 
+from sglang_l3.live_config import l3_attached
 from sglang_l3.patches import framework
 from sglang_l3.patches.mm_page_keys import (
     REFUSAL,
@@ -149,8 +150,39 @@ HOST_ONLY = SimpleNamespace(enable_hierarchical_cache=True, hicache_storage_back
 NO_HICACHE = SimpleNamespace(enable_hierarchical_cache=False, hicache_storage_backend=None)
 
 
+def _tm(args: SimpleNamespace, **live: object) -> SimpleNamespace:
+    """A tokenizer manager stand-in: launch args, and `live` as upstream's config_value
+    reads them after PUT / DELETE /hicache/storage-backend (none: no config published)."""
+
+    def config_value(name: str) -> object:
+        if name not in live:
+            raise ValueError("config not published; cannot read a config leaf")
+        return live[name]
+
+    return SimpleNamespace(server_args=args, config_value=config_value)
+
+
 def test_l3_detection() -> None:
     assert has_l3(L3) and not has_l3(HOST_ONLY) and not has_l3(NO_HICACHE) and not has_l3(None)
+    assert l3_attached(_tm(L3)) and not l3_attached(_tm(HOST_ONLY)) and not l3_attached(_tm(NO_HICACHE))
+    assert not l3_attached(None)
+
+
+def test_attached_is_read_from_the_live_config() -> None:
+    # a runtime attach / detach changes only the live config (test/e2e/test_runtime_attach.py)
+    assert l3_attached(_tm(HOST_ONLY, hicache_storage_backend="file"))
+    assert not l3_attached(_tm(L3, hicache_storage_backend=None))
+    obj = GenerateReqInput(text="hi", image_data="x", mm_hashes=["0123456789abcdef"])
+    with pytest.raises(ValueError, match="mm_hashes is not accepted"):
+        check_request(_tm(HOST_ONLY, hicache_storage_backend="file"), obj)
+    check_request(_tm(L3, hicache_storage_backend=None), obj)
+    tm = _tm(HOST_ONLY, hicache_storage_backend="file")
+    tm.enable_lora = True
+    tokenized = SimpleNamespace(extra_key="tenant")
+    namespace_extra_key(tm, tokenized)
+    assert tokenized.extra_key == "tenant|client"
+    # HiCache off at launch: no runtime attach is possible (upstream refuses it)
+    assert not l3_attached(_tm(NO_HICACHE, hicache_storage_backend="file"))
 
 
 @pytest.mark.parametrize(
@@ -164,11 +196,11 @@ def test_supplied(hashes, expected) -> None:
 def test_refused_only_with_l3() -> None:
     obj = GenerateReqInput(text="hi", image_data="data:image/png;base64,", mm_hashes=["0123456789abcdef"])
     with pytest.raises(ValueError, match="mm_hashes is not accepted") as e:
-        check_request(L3, obj)
+        check_request(_tm(L3), obj)
     assert str(e.value) == REFUSAL and "mm-hashes-guard" in REFUSAL
-    check_request(HOST_ONLY, obj)  # pages die with the process: upstream's behaviour
-    check_request(NO_HICACHE, obj)
-    check_request(L3, GenerateReqInput(text="hi", image_data="x"))  # no mm_hashes
+    check_request(_tm(HOST_ONLY), obj)  # pages die with the process: upstream's behaviour
+    check_request(_tm(NO_HICACHE), obj)
+    check_request(_tm(L3), GenerateReqInput(text="hi", image_data="x"))  # no mm_hashes
 
 
 @pytest.mark.parametrize("key", ["hash", "pad_value", "pad_values", "identity"])
@@ -179,10 +211,12 @@ def test_preprocessed_media_with_its_own_identity_refused_with_l3(field: str, ke
     for value in (item, [item], [[{"format": "processor_output"}], [item]]):
         obj = SimpleNamespace(mm_hashes=None, **{field: value})
         with pytest.raises(ValueError, match=f"{field} items with a '{key}' key are not accepted"):
-            check_request(L3, obj)
-        check_request(HOST_ONLY, obj)
+            check_request(_tm(L3), obj)
+        check_request(_tm(HOST_ONLY), obj)
     # a dict without an identity (content_hash is verified against the media by upstream)
-    check_request(L3, SimpleNamespace(mm_hashes=None, **{field: [{"url": "x", "content_hash": "sha256:" + "0" * 64}]}))
+    check_request(
+        _tm(L3), SimpleNamespace(mm_hashes=None, **{field: [{"url": "x", "content_hash": "sha256:" + "0" * 64}]})
+    )
     assert identity_key_in(["data:image/png;base64,", None, {key: None}]) is None
 
 
@@ -256,7 +290,8 @@ def test_client_keys_cannot_reach_an_adapters_namespace() -> None:
 
 @pytest.mark.parametrize(("lora", "args", "marked"), [(True, L3, True), (False, L3, False), (True, HOST_ONLY, False)])
 def test_extra_key_marked_only_with_lora_and_l3(lora, args, marked) -> None:
-    tm = SimpleNamespace(enable_lora=lora, server_args=args)
+    tm = _tm(args)
+    tm.enable_lora = lora
     tokenized = SimpleNamespace(extra_key="tenant")
     namespace_extra_key(tm, tokenized)
     assert tokenized.extra_key == ("tenant|client" if marked else "tenant")

@@ -9,7 +9,12 @@ http_server turns into HTTP 400 while the server keeps serving. Ids produced by
 the server's own tokenizer or multimodal processor are not re-checked. For a
 multimodal request the caller's ids are checked BEFORE
 `TokenizerManager._tokenize_one_request`, before the processor decodes them
-(the processor's output holds pad values >= vocab size by design).
+(the processor's output holds pad values >= vocab size by design). So are the ids
+inside a preprocessed media item (a `processor_output` dict in image_data /
+video_data / audio_data carrying `input_ids`): upstream's processor takes them as
+the prompt when the request has no ids of its own
+(`BaseMultimodalProcessor._process_and_collect_mm_items`), and a pad value or any
+other id outside the vocabulary there is a 400 naming the item, as everywhere else.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_l3.patches.framework import PatchContext
+
+MEDIA_FIELDS = ("image_data", "video_data", "audio_data")
 
 _TM = "sglang.srt.managers.tokenizer_manager:TokenizerManager"
 
@@ -54,15 +61,44 @@ def _check(self: Any, obj: Any, input_ids: Any) -> None:
         raise ValueError(problem)
 
 
+def flat_ids(ids: Any) -> Any:
+    """A media item's input_ids as one flat list (upstream flattens them: a tensor, or
+    nested lists such as a batch of one); anything else is returned as is, for
+    `first_bad_id` to name."""
+    if hasattr(ids, "tolist"):  # a tensor or an array (the Python API; JSON gives lists)
+        ids = ids.tolist()
+    if isinstance(ids, (list, tuple)) and any(isinstance(x, (list, tuple)) for x in ids):
+        out: list[Any] = []
+        for x in ids:
+            sub = flat_ids(x)
+            out.extend(sub if isinstance(sub, list) else [sub])
+        return out
+    return ids
+
+
+def media_ids(values: Any, where: str) -> list[tuple[str, Any]]:
+    """(where, input_ids) of every preprocessed media dict in a (nested) list of items."""
+    if isinstance(values, dict):
+        ids = values.get("input_ids")
+        return [] if ids is None else [(where, ids)]
+    if isinstance(values, (list, tuple)):
+        return [found for i, v in enumerate(values) for found in media_ids(v, f"{where}[{i}]")]
+    return []
+
+
 def _check_mm(self: Any, obj: Any) -> None:
     # a multimodal request's own ids: an id outside the vocabulary is never an image
     # placeholder (upstream's decode of it is a 500, or it is dropped or clamped)
     contains_mm = getattr(obj, "contains_mm_input", None)
-    if getattr(obj, "input_ids", None) is None or not (callable(contains_mm) and contains_mm()):
-        return
-    problem = first_bad_id(obj.input_ids, int(self.model_config.vocab_size))
-    if problem is not None:
-        raise ValueError(problem)
+    if getattr(obj, "input_ids", None) is not None and callable(contains_mm) and contains_mm():
+        problem = first_bad_id(obj.input_ids, int(self.model_config.vocab_size))
+        if problem is not None:
+            raise ValueError(problem)
+    for field in MEDIA_FIELDS:
+        for where, ids in media_ids(getattr(obj, field, None), field):
+            problem = first_bad_id(flat_ids(ids), int(self.model_config.vocab_size))
+            if problem is not None:
+                raise ValueError(f"{where} (a preprocessed media item): {problem}")
 
 
 def apply(ctx: PatchContext) -> None:

@@ -1,6 +1,12 @@
-"""Patch `l3-wait-watchdog` (why: patches/series.toml), SGLANG_L3_VERIFY=1 only: a
-request that has waited on L3 longer than its prefetch budget plus a margin is logged
-with every TP rank's view of it, then recomputed instead of waiting on.
+"""Patch `l3-wait-watchdog` (why: patches/series.toml): a request that has waited on
+L3 longer than its prefetch budget plus a margin is reported. Two modes:
+
+- detect (the default): one log line naming the request, what it waits on (the
+  stream, the parked hit, ...) and for how long, and counter `l3_wait_overdue`; once
+  per request wait. Nothing else changes: no collective, no device sync, the request
+  keeps waiting (each rank decides and logs alone; only the count is per rank).
+- SGLANG_L3_VERIFY=1: the request is logged with every TP rank's view of it, then
+  recomputed instead of waited on (below).
 
 How, after each `Scheduler.get_next_batch_to_run` (a lockstep point):
 
@@ -40,16 +46,19 @@ logger = logging.getLogger("sglang_l3.l3_wait_watchdog")
 SCHED = "sglang.srt.managers.scheduler:Scheduler"
 MARGIN_ENV = "SGLANG_L3_WAIT_MARGIN"
 MARK = "l3_wait_abandoned"  # the counter, and the word every abandon log line carries
+OVERDUE = "l3_wait_overdue"  # detect mode's counter, and the word its log line carries
 
 
-def applicable() -> str | None:
-    return None if envs.flag("SGLANG_L3_VERIFY") else "SGLANG_L3_VERIFY is not set (a verify-mode check)"
+def verify_mode() -> bool:
+    """SGLANG_L3_VERIFY=1: abandon (collectives); else detect and log only."""
+    return envs.flag("SGLANG_L3_VERIFY")
 
 
 @dataclasses.dataclass
 class _Clock:
     since: float  # first pass it was seen waiting (monotonic)
     stalled: float = 0.0  # seconds of idle passes since
+    reported: bool = False  # detect mode: logged and counted once
 
 
 @dataclasses.dataclass
@@ -110,8 +119,9 @@ def _gather(sched: Any, mine: list[str]) -> list[list[str]]:
     return out
 
 
-def check(sched: Any, idle: bool, now: float | None = None) -> list[str]:
-    """One pass of the watchdog; returns the request ids abandoned (same on every rank)."""
+def check(sched: Any, idle: bool, now: float | None = None, verify: bool | None = None) -> list[str]:
+    """One pass of the watchdog. Verify mode (`verify`, default `verify_mode()`): returns
+    the request ids abandoned (same on every rank); detect mode: the ids reported now."""
     cache = sched.tree_cache
     if getattr(cache, "buffer_pipeline", None) is None:
         return []
@@ -131,6 +141,8 @@ def check(sched: Any, idle: bool, now: float | None = None) -> list[str]:
         return []
     margin = float(envs.value(MARGIN_ENV))
     limits = [budget_s(cache, req) + margin for req, _ in waiting]
+    if not (verify_mode() if verify is None else verify):
+        return _report(waiting, limits, clocks, now)
     over = [int(clocks[req.cache_request_handle].stalled > lim) for (req, _), lim in zip(waiting, limits)]
     t = torch.tensor(over, dtype=torch.int32)
     cache._all_reduce(t, torch.distributed.ReduceOp.MAX)  # any rank over: every rank abandons
@@ -152,6 +164,29 @@ def check(sched: Any, idle: bool, now: float | None = None) -> list[str]:
             views,
         )
         _abandon(cache, req)
+        out.append(str(req.rid))
+    return out
+
+
+def _report(waiting: list[tuple[Any, str]], limits: list[float], clocks: dict[Any, _Clock], now: float) -> list[str]:
+    """Detect mode: log and count each request past budget + margin, once per wait."""
+    out = []
+    for (req, state), lim in zip(waiting, limits):
+        c = clocks[req.cache_request_handle]
+        if c.reported or c.stalled <= lim:
+            continue
+        c.reported = True
+        logger.warning(
+            "sglang-l3 watchdog: %s req=%s waits on L3: %s; idle-waited %.1f s (budget + margin %.1f s, "
+            "queued %.1f s); still waiting (SGLANG_L3_VERIFY=1 would recompute it)",
+            OVERDUE,
+            req.rid,
+            state,
+            c.stalled,
+            lim,
+            now - c.since,
+        )
+        metrics.inc(OVERDUE)
         out.append(str(req.rid))
     return out
 

@@ -4,7 +4,8 @@ the server from everything that shapes the KV, never taken verbatim from the cli
 
 How:
 - mm-hashes-guard: BEFORE `TokenizerManager._tokenize_one_request` (so before any
-  image is fetched or decoded), on a server with a HiCache storage backend (L3), a
+  image is fetched or decoded), while a HiCache storage backend (L3) is attached (at
+  launch or by `PUT /hicache/storage-backend`: `l3_attached` reads the live config), a
   request that carries `mm_hashes` is a ValueError, which the HTTP routes (/generate,
   /v1/chat/completions, /v1/completions) answer with 400 and the message. So is a
   preprocessed media item (a dict in image_data / video_data / audio_data) that
@@ -18,8 +19,8 @@ How:
   (upstream's `MultimodalDataItem.set_hash`). Items without such metadata, and
   items whose hash upstream set from elsewhere (the preprocess-cache artifact key,
   which already covers the processor's inputs), keep upstream's hash.
-- lora-key-namespace: AFTER `TokenizerManager._create_tokenized_object`, on a server
-  with L3 and LoRA enabled, a caller's `extra_key` gets CLIENT_KEY_MARK appended
+- lora-key-namespace: AFTER `TokenizerManager._create_tokenized_object`, while L3 is
+  attached (`l3_attached`) on a server with LoRA enabled, a caller's `extra_key` gets CLIENT_KEY_MARK appended
   before it reaches the scheduler (where upstream appends the adapter id). The mark
   ends in a character that is not hex, adapter ids are 32 hex characters: a request
   without an adapter can no longer name an adapter's namespace.
@@ -32,6 +33,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from sglang_l3.live_config import l3_attached
 from sglang_l3.patches.framework import PatchContext
 
 _TM = "sglang.srt.managers.tokenizer_manager:TokenizerManager"
@@ -48,7 +50,7 @@ _TAG = b"sglang-l3-mm-item-v1"
 # mm-hashes-guard
 # --------------------------------------------------------------------------- #
 def has_l3(server_args: Any) -> bool:
-    """HiCache with a storage backend (L3): pages outlive the process."""
+    """HiCache with a storage backend (L3) in these launch arguments."""
     return bool(getattr(server_args, "enable_hierarchical_cache", False)) and bool(
         getattr(server_args, "hicache_storage_backend", None)
     )
@@ -100,8 +102,9 @@ def media_refusal(field: str, key: str) -> str:
     )
 
 
-def check_request(server_args: Any, obj: Any) -> None:
-    if not has_l3(server_args):
+def check_request(tokenizer_manager: Any, obj: Any) -> None:
+    """Refuse a caller-supplied media identity while L3 is attached (`l3_attached`)."""
+    if not l3_attached(tokenizer_manager):
         return
     if supplied(getattr(obj, "mm_hashes", None)):
         raise ValueError(REFUSAL)
@@ -164,7 +167,7 @@ def apply(ctx: PatchContext) -> None:
 
 def _apply_guard(ctx: PatchContext) -> None:
     def before(self: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
-        check_request(getattr(self, "server_args", None), obj)
+        check_request(self, obj)
 
     ctx.before(f"{_TM}._tokenize_one_request", before)
 
@@ -184,7 +187,7 @@ def _apply_grid_hash(ctx: PatchContext) -> None:
 
 def namespace_extra_key(tokenizer_manager: Any, tokenized: Any) -> None:
     """Mark a tokenized request's caller extra_key when LoRA and L3 are both on."""
-    if getattr(tokenizer_manager, "enable_lora", False) and has_l3(getattr(tokenizer_manager, "server_args", None)):
+    if getattr(tokenizer_manager, "enable_lora", False) and l3_attached(tokenizer_manager):
         if getattr(tokenized, "extra_key", None):
             tokenized.extra_key = client_key(tokenized.extra_key)
 

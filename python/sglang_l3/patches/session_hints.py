@@ -43,12 +43,13 @@ def _tm() -> Any:
 
 
 def _store_root(tm: Any) -> str | None:
+    from sglang_l3.live_config import value
     from sglang_l3.storage.config import StoreSettings
 
-    args = getattr(tm, "server_args", None)
-    if args is None or getattr(args, "hicache_storage_backend", None) != "file":
+    # the backend in effect now (PUT /hicache/storage-backend may have attached it)
+    if value(tm, "hicache_storage_backend") != "file":
         return None
-    raw = getattr(args, "hicache_storage_backend_extra_config", None)
+    raw = value(tm, "hicache_storage_backend_extra_config")
     try:
         extra = json.loads(raw) if isinstance(raw, str) and raw else (raw or {})
         return str(StoreSettings.resolve(extra).root)

@@ -60,7 +60,6 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -203,10 +202,6 @@ def _read_piece(cc: Any, op: Any, keys: list[str], host: torch.Tensor, prefix_ke
     return done
 
 
-FAULT_ENV = "SGLANG_L3_TEST_FAULT"
-SKIP_LOAD_FENCE = "skip-load-fence"  # test fault: no fence on the forward stream before a piece copy
-
-
 def _copy_to_device(cc: Any, host: torch.Tensor, rows: torch.Tensor) -> Any:
     """Queue host piece -> private device rows R (all layers) and return the event recorded
     after it. Never blocks the scheduler thread.
@@ -223,7 +218,7 @@ def _copy_to_device(cc: Any, host: torch.Tensor, rows: torch.Tensor) -> Any:
     allocator, only once the returned event has completed on every rank (`_tick`)."""
     from sglang.srt.utils import get_device_module
 
-    from sglang_l3 import envs
+    from sglang_l3 import faults
 
     dm = get_device_module()
     stream = cc.l2_transfer_engine.host_to_device_stream
@@ -231,7 +226,7 @@ def _copy_to_device(cc: Any, host: torch.Tensor, rows: torch.Tensor) -> Any:
     hp = entry.host_pool
     h, d = cc.move_indices(host, rows)
     stream.wait_stream(dm.current_stream())
-    if cc.load_fence_stream is not None and envs.value(FAULT_ENV) != SKIP_LOAD_FENCE:
+    if cc.load_fence_stream is not None and not faults.active(faults.SKIP_LOAD_FENCE):
         stream.wait_stream(cc.load_fence_stream)
     with dm.stream(stream):
         for layer in range(getattr(hp, "target_layer_num", hp.layer_num)):
@@ -397,32 +392,21 @@ def _start(pipe: Any, op: Any, hit_tokens: int) -> Stream | str | None:
     return s
 
 
-FAULT_ENV = "SGLANG_L3_TEST_FAULT"  # test-only: "stream-hold@PATH" (docs/operations.md)
-HOLD_S = 120.0
-_HOLD: dict[str, Any] = {"since": None, "parked": -1}
-
-
 def _held(pipe: Any) -> bool:
-    """Test-only fault stream-hold@PATH: streams start no read while PATH exists (at most
-    HOLD_S from when it was first seen), so a test can queue requests behind a stream in flight; each
-    change in the number of hits parked behind it is logged. The verdict is MAX-reduced
-    (host slots a read takes feed later decisions: every rank must launch alike)."""
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec.startswith("stream-hold@"):
+    """Test-only fault stream-hold@PATH (`sglang_l3.faults.held`): streams start no read
+    while PATH exists, so a test can queue requests behind a stream in flight; each change
+    in the number of hits parked behind it is logged. The verdict is MAX-reduced (host
+    slots a read takes feed later decisions: every rank must launch alike)."""
+    from sglang_l3 import faults
+
+    if not faults.active(faults.STREAM_HOLD):
         return False
-    held = os.path.exists(spec.split("@", 1)[1])
-    if not held:
-        _HOLD["since"] = None
-    elif _HOLD["since"] is None:
-        _HOLD["since"] = time.monotonic()
-    held = held and time.monotonic() - _HOLD["since"] < HOLD_S
-    t = torch.tensor([int(held)], dtype=torch.int32)
+    t = torch.tensor([int(faults.held(faults.STREAM_HOLD))], dtype=torch.int32)
     pipe._cache._all_reduce(t, torch.distributed.ReduceOp.MAX)
     held = bool(t.item())
-    parked = len(pipe.pending_hit_allocs)
-    if held and parked != _HOLD["parked"]:
-        logger.warning("streamed restore held by %s: hits parked=%d", FAULT_ENV, parked)
-    _HOLD["parked"] = parked if held else -1
+    parked = len(pipe.pending_hit_allocs) if held else -1
+    if faults.changed("stream-hold parked", parked) and held:
+        logger.warning("streamed restore held by %s: hits parked=%d", faults.ENV, parked)
     return held
 
 

@@ -44,10 +44,9 @@ SCHED = "sglang.srt.managers.scheduler:Scheduler"
 FLUSH = "sglang.srt.managers.scheduler_components.flush_wrapper:SchedulerFlushWrapper"
 PIPE = "sglang.srt.mem_cache.buffer_mode.pipeline:BufferModePipeline"
 
-# Test-only fault (docs/operations.md): "restore-fallback@<rank>" makes that TP
+# Test-only fault (sglang_l3.faults): "restore-fallback@<rank>" makes that TP
 # rank alone fall back to recompute on its first L3 restore, to show that
 # SGLANG_L3_VERIFY=1 catches a rank disagreement before a forward pass.
-FAULT_ENV = "SGLANG_L3_TEST_FAULT"
 
 
 class RankDisagreement(RuntimeError):
@@ -180,7 +179,6 @@ class Decision:
 _PENDING: list[Decision] = []  # scheduler thread only
 # (pipeline, reanchor RestoreRecord) restored in this pass, verified before its forward
 _TO_VERIFY: list[tuple[Any, Any]] = []
-_FAULT_FIRED: list[bool] = [False]
 
 
 def _path_len(cache: Any, node: Any) -> int:
@@ -196,13 +194,15 @@ def _path_len(cache: Any, node: Any) -> int:
 
 
 def _fault_here(cache: Any) -> bool:
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec.startswith("restore-fallback@") or _FAULT_FIRED[0]:
+    from sglang_l3 import faults
+
+    arg = faults.argument(faults.RESTORE_FALLBACK)
+    if arg is None:
         return False
     try:
-        rank = int(spec.split("@", 1)[1])
-    except ValueError:
-        return False
+        rank = int(arg)
+    except ValueError as e:
+        raise faults.FaultError(f"{faults.ENV}=restore-fallback@{arg}: the argument is a TP rank") from e
     return _rank(getattr(cache, "tp_group", None)) == rank
 
 
@@ -212,10 +212,12 @@ def _init_load_back(original: Callable, pipe: Any, params: Any) -> Any:
     if req is not None and pipe.staged_prefetches.get(req.cache_request_handle) is not None and _fault_here(cache):
         from sglang_l3.patches.reanchor import _fallback
 
-        _FAULT_FIRED[0] = True
+        from sglang_l3 import faults
+
+        faults.spend(faults.RESTORE_FALLBACK)
         logger.warning(
             "sglang-l3: %s: injected restore fallback on this rank for %s",
-            FAULT_ENV,
+            faults.ENV,
             req.rid,
         )
         _fallback(pipe, req, "injected_fault")

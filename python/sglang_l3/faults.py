@@ -1,0 +1,109 @@
+"""Test-only fault injection (`SGLANG_L3_TEST_FAULT`, docs/operations.md): the one
+place runtime modules ask whether a named fault is on.
+
+A fault is honoured only while the CPU switch (`sglang_l3.cpu`: tests, `make demo`)
+or the simulated device (`sglang_l3.cpu.sim_streams`) is active in this process:
+on a served GPU the variable is ignored (one warning), so a stray setting can never
+remove a real fence or hold a real server's restores.
+
+Faults (`NAME` or `NAME@ARGUMENT`):
+- skip-load-fence: the streamed restore queues piece copies without the fence on the
+  forward stream (the simulated-stream tests must then fail);
+- stream-hold@PATH: streamed restores start no read while PATH exists, for at most
+  HOLD_S from when it was first seen (`held`);
+- restore-fallback@RANK: that TP rank alone falls back on its first restore, once per
+  process (`spend`), to prove SGLANG_L3_VERIFY=1 catches a rank disagreement.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from sglang_l3 import envs
+
+logger = logging.getLogger("sglang_l3.faults")
+
+ENV = "SGLANG_L3_TEST_FAULT"
+SKIP_LOAD_FENCE = "skip-load-fence"
+STREAM_HOLD = "stream-hold"
+RESTORE_FALLBACK = "restore-fallback"
+NAMES = (SKIP_LOAD_FENCE, STREAM_HOLD, RESTORE_FALLBACK)
+HOLD_S = 120.0
+
+# process state of the faults (this module only): faults spent, when each hold was first seen
+_SPENT: set[str] = set()
+_HOLD_SINCE: dict[str, float] = {}
+_WARNED: list[bool] = [False]
+_NOTED: dict[str, object] = {}
+_NOTHING = object()
+
+
+class FaultError(ValueError):
+    pass
+
+
+def _setting() -> tuple[str, str | None] | None:
+    raw = (envs.value(ENV) or "").strip()
+    if not raw or raw == "unset":
+        return None
+    name, sep, arg = raw.partition("@")
+    if name not in NAMES:
+        raise FaultError(f"{ENV}={raw!r}: unknown fault {name!r} (known: {', '.join(NAMES)})")
+    return name, (arg if sep else None)
+
+
+def honoured() -> bool:
+    """Faults apply here: the CPU switch is on (no accelerator) or the simulator is installed."""
+    from sglang_l3 import cpu
+    from sglang_l3.cpu import sim_streams
+
+    return sim_streams.installed() or cpu.enabled()
+
+
+def active(name: str) -> bool:
+    """Fault `name` is set, honoured here, and not spent. An unknown fault name is an
+    error where faults are honoured (a mistyped negative control must not pass)."""
+    if (envs.value(ENV) or "").strip() in ("", "unset"):
+        return False
+    if not honoured():
+        if not _WARNED[0]:
+            _WARNED[0] = True
+            logger.warning(
+                "sglang-l3: %s ignored: test faults apply only with the CPU switch or the simulated device", ENV
+            )
+        return False
+    setting = _setting()
+    return setting is not None and setting[0] == name and name not in _SPENT
+
+
+def argument(name: str) -> str | None:
+    """The ARGUMENT of an active `name@ARGUMENT` fault (None: not active or none given)."""
+    if not active(name):
+        return None
+    setting = _setting()
+    return None if setting is None else setting[1]
+
+
+def spend(name: str) -> None:
+    """A once-per-process fault has fired: `active(name)` is False from now on."""
+    _SPENT.add(name)
+
+
+def changed(key: str, value: object) -> bool:
+    """True when `value` differs from the last one noted under `key` (log a change once)."""
+    if _NOTED.get(key, _NOTHING) == value:
+        return False
+    _NOTED[key] = value
+    return True
+
+
+def held(name: str = STREAM_HOLD) -> bool:
+    """An active `name@PATH` hold: PATH exists, first seen less than HOLD_S ago."""
+    path = argument(name)
+    if path is None or not os.path.exists(path):
+        _HOLD_SINCE.pop(name, None)
+        return False
+    since = _HOLD_SINCE.setdefault(name, time.monotonic())
+    return time.monotonic() - since < HOLD_S
