@@ -42,7 +42,7 @@ def _tm() -> Any:
     return getattr(state, "tokenizer_manager", None)
 
 
-def _store_root(tm: Any) -> str | None:
+def store_root(tm: Any) -> str | None:
     from sglang_l3.storage.config import StoreSettings
 
     args = getattr(tm, "server_args", None)
@@ -95,7 +95,7 @@ def add_routes(app: Any) -> None:
         from sglang_l3.storage.sessions import session_rows
 
         tm = _tm()
-        root = _store_root(tm) if tm is not None else None
+        root = store_root(tm) if tm is not None else None
         rows = [] if root is None else [{k: v for k, v in r.items() if k != "keys"} for r in session_rows(root)]
         states: dict[str, int] = {}
         for h in BOOK.hints.values():
@@ -119,7 +119,7 @@ def add_routes(app: Any) -> None:
         tm = _tm()
         if tm is None:
             return JSONResponse({"error": "server is not ready"}, status_code=503)
-        root = _store_root(tm)
+        root = store_root(tm)
         if root is None:
             return JSONResponse(
                 {"error": "this server has no sglang-l3 store (--hicache-storage-backend file)"},
