@@ -17,7 +17,13 @@ without a session_id, sglang_l3.implicit_sessions) ranks as closed until its
 second turn (a one-off prompt is not protected like a conversation), then as
 an open session of priority 0. Implicit sessions have no close: the registry
 keeps at most MAX_IMPLICIT of them and reaps the oldest one-turn session first
-(then the oldest), by the order of calls, which is the same on every rank. The byte cap and the free-space floor both walk this
+(then the oldest), by the order of calls, which is the same on every rank.
+
+Rewritten history: when a session's new turn diverges from its recorded
+chain before that chain's input ends (the client compressed or edited its
+history, switched model or namespace), the old chain's tail past the shared
+prefix is *demoted*: those pages (unless another session holds them) go
+before every plain page. The shared prefix stays the session's. The byte cap and the free-space floor both walk this
 order to the end: retention decides *what* goes first, never *whether* the
 store may shrink - the free-space floor always wins.
 
@@ -41,10 +47,11 @@ from sglang_l3.storage.sessions import SessionRecord, is_implicit_id, valid_sess
 
 logger = logging.getLogger(__name__)
 
-PLAIN, CLOSED, OPEN = 0, 1, 2
-CLASS_NAMES = ("plain", "closed", "open")
+PLAIN, CLOSED, OPEN, DEMOTED = 0, 1, 2, 3
+CLASS_NAMES = ("plain", "closed", "open", "demoted")
 MAX_CLOSED = 1024  # closed sessions remembered (oldest forgotten first)
 MAX_IMPLICIT = 1024  # implicit sessions remembered (one-turn ones reaped first)
+MAX_DEMOTED = 1 << 20  # demoted page keys remembered (oldest forgotten: they become plain)
 
 
 def key_of_stem(stem: str) -> str:
@@ -70,6 +77,8 @@ class SessionRetention:
         self._by_key: dict[str, dict[str, int]] = {}  # key -> {session id: depth}
         # implicit sessions, least recently used first (the reaping order)
         self._implicit: OrderedDict[str, None] = OrderedDict()
+        # page keys of rewritten histories' stale tails, evicted before plain pages
+        self._demoted: OrderedDict[str, None] = OrderedDict()
         self._version = 0
         self._saved_version = 0
         self._io_lock = threading.Lock()
@@ -99,6 +108,7 @@ class SessionRetention:
         if rec.implicit:
             self._implicit[rec.id] = None
         for depth, k in enumerate(rec.keys):
+            self._demoted.pop(k, None)
             self._by_key.setdefault(k, {})[rec.id] = depth
 
     def _unindex(self, sid: str) -> None:
@@ -158,10 +168,37 @@ class SessionRetention:
             turns = (old.turns if old else 0) + (0 if finished else 1)
             rec = SessionRecord(sid, list(keys), int(tokens), int(prio), self._now(), is_open)
             rec.implicit, rec.turns, rec.input_pages = is_implicit_id(sid), max(turns, 1), n_in
+            stale = [] if old is None else self._stale_tail(old, keys)
             self._put(rec)
+            for k in stale:
+                if k not in self._by_key:  # no session holds it any more
+                    self._demoted[k] = None
+            while len(self._demoted) > MAX_DEMOTED:
+                self._demoted.popitem(last=False)
             self._changed()
         l3_metrics.inc("session_turns" if finished else "session_turns_started")
+        if stale:
+            l3_metrics.inc("session_history_rewritten")
         return True
+
+    @staticmethod
+    def _stale_tail(old: SessionRecord, keys: list[str]) -> list[str]:
+        """The old chain's keys past the prefix it shares with `keys`, when
+        the new chain diverges before the old chain's input ended (a
+        rewritten history); [] for an ordinary next turn."""
+        shared = 0
+        for a, b in zip(old.keys, keys):
+            if a != b:
+                break
+            shared += 1
+        end = old.input_pages if old.input_pages > 0 else len(old.keys)
+        if shared >= end or shared >= len(old.keys):
+            return []
+        return old.keys[shared:]
+
+    def demoted(self, key: str) -> bool:
+        with self._lock:
+            return key in self._demoted and key not in self._by_key
 
     def open(self, sid: str, priority: int | None = None) -> bool:
         if not valid_session_id(sid):
@@ -224,7 +261,7 @@ class SessionRetention:
         the LRU tie-break the caller appends."""
         owners = self._by_key.get(key)
         if not owners:
-            return (PLAIN,)
+            return (DEMOTED,) if key in self._demoted else (PLAIN,)
         best: tuple | None = None
         for sid, depth in owners.items():
             r = self._sessions[sid]
@@ -244,11 +281,21 @@ class SessionRetention:
 
         Lazy: plain pages are yielded in LRU order as the walk meets them, so
         an eviction that plain pages satisfy never sorts; the protected ones
-        are sorted only once the plain ones are used up."""
+        are sorted only once the plain ones are used up. Demoted pages (the
+        stale tails of rewritten histories) go before all of them."""
+        stems = list(stems)
+        if self._demoted:
+            for s in stems:
+                with self._lock:
+                    r = self.rank(key_of_stem(s))
+                if r[0] == DEMOTED:
+                    yield s, DEMOTED
         protected: list[tuple[tuple, int, str]] = []
         for i, s in enumerate(stems):
             with self._lock:
                 r = self.rank(key_of_stem(s))
+            if r[0] == DEMOTED:
+                continue
             if r[0] == PLAIN:
                 yield s, PLAIN
             else:
@@ -361,6 +408,7 @@ def make_session_evictor(base: type, retention: SessionRetention, counters: Any)
 
 __all__ = [
     "CLASS_NAMES",
+    "DEMOTED",
     "MAX_IMPLICIT",
     "SessionRetention",
     "key_of_stem",
