@@ -93,7 +93,7 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
     from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 
     from sglang_l3.implicit_sessions import page_keys
-    from sglang_l3.session_hints import HINT_RID_PREFIX
+    from sglang_l3.session_hints import HINT_RID_PREFIX, prediction
 
     mm = kwargs.get("mm_inputs", args[1] if len(args) > 1 else None)
     embeds = kwargs.get("input_embeds", args[0] if args else None)
@@ -127,6 +127,7 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
         return
     result.session_id = sid
     st.pending[rid] = (sid, ids, extra, salt)
+    prediction().arrived(tm, sid)
     while len(st.pending) > MAX_PENDING:
         st.pending.popitem(last=False)
 
@@ -146,6 +147,8 @@ def _finished(tm: Any, st: _State, rid: str, out_ids: list[int]) -> None:
 
 def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *args: Any, **kwargs: Any) -> Any:
     async def run() -> Any:
+        from sglang_l3.session_hints import prediction
+
         st = getattr(tm, TRACKER_ATTR, None)
         out_ids: list[int] = []
         done = False
@@ -162,6 +165,9 @@ def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *ar
             rid = getattr(obj, "rid", None)
             if st:
                 rids = rid if isinstance(rid, list) else [rid]
+                entry = st.pending.get(rid) if isinstance(rid, str) else None
+                if entry is not None:
+                    prediction().answered(entry[0])
                 if done and isinstance(rid, str):
                     try:
                         _finished(tm, st, rid, out_ids)

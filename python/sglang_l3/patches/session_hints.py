@@ -153,18 +153,25 @@ def _after_init(result: Any, tm: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *args: Any, **kwargs: Any) -> Any:
-    from sglang_l3.session_hints import BOOK, request_ids_and_session
+    from sglang_l3.session_hints import BOOK, prediction, request_ids_and_session
 
     ids, sid, is_hint = request_ids_and_session(obj)
+    top_sid = getattr(obj, "session_id", None)
+    predicted = not is_hint and isinstance(top_sid, str)
 
     async def run() -> Any:
         if not is_hint and BOOK.hints:
             await BOOK.join(ids, sid)
+        if predicted:
+            prediction().arrived(tm, top_sid)
         last = None
-        async for out in original(tm, obj, request, *args, **kwargs):
-            last = out
-            yield out
-        top_sid = getattr(obj, "session_id", None)
+        try:
+            async for out in original(tm, obj, request, *args, **kwargs):
+                last = out
+                yield out
+        finally:
+            if predicted:
+                prediction().answered(top_sid)
         if ids is not None and isinstance(top_sid, str) and isinstance(last, dict):
             out_ids = last.get("output_ids")
             if isinstance(out_ids, list):
@@ -174,5 +181,8 @@ def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *ar
 
 
 def apply(ctx: PatchContext) -> None:
+    from sglang_l3.session_hints import prediction
+
+    prediction()  # a bad SGLANG_L3_PREDICTED_RETURN fails start-up, with its reason
     ctx.after(f"{TM}.__init__", _after_init)
     ctx.around(f"{TM}.generate_request", _generate_request)
