@@ -187,3 +187,105 @@ def test_table_reads_records_written_before_the_implicit_fields():
 
 def test_cap_constants_agree():
     assert retention.MAX_IMPLICIT == MAX_SESSIONS
+
+
+# ------------------------------------------------- the tokenizer-manager hooks
+class _Args:
+    def __init__(self, store, radix_sessions=False):
+        self.hicache_storage_backend = "file"
+        self.hicache_storage_backend_extra_config = f'{{"store_dir": "{store}"}}'
+        self.page_size = PAGE
+        self.enable_session_radix_cache = radix_sessions
+
+
+class _TM:
+    """Stands in for the TokenizerManager around the two hooked methods (the
+    server test drives them through upstream's)."""
+
+    def __init__(self, store, **kw):
+        self.server_args = _Args(store, **kw)
+        self.incremental_streaming_output = False
+
+
+def _tokenized(tm, ids, rid, **obj_fields):
+    from array import array
+
+    from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+    from sglang_l3.patches import implicit_sessions as patch
+
+    obj = GenerateReqInput(input_ids=list(ids), rid=rid, **obj_fields)
+    tok = TokenizedGenerateReqInput(
+        input_text=None,
+        input_ids=array("q", ids),
+        input_embeds=None,
+        mm_inputs=None,
+        token_type_ids=None,
+        sampling_params=None,
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        token_ids_logprob=None,
+        stream=False,
+        rid=rid,
+        session_id=obj_fields.get("session_id"),
+    )
+    patch._after_tokenize(tok, tm, obj, None, list(ids), None, None, None)
+    return obj, tok
+
+
+def _answer(tm, obj, out_ids):
+    """Run the generate_request hook over an upstream stand-in that answers out_ids."""
+    import asyncio
+
+    from sglang_l3.patches import implicit_sessions as patch
+
+    async def original(tm_, obj_, request=None):
+        yield {"output_ids": list(out_ids), "meta_info": {"finish_reason": {"type": "length"}}}
+
+    async def main():
+        return [o async for o in patch._generate_request(original, tm, obj)]
+
+    return asyncio.run(main())
+
+
+def test_the_hooks_name_conversations_and_leave_explicit_ones_alone(tmp_path):
+    tm = _TM(tmp_path)
+    a_in = SYSTEM + _toks(2, 37)
+    obj, tok = _tokenized(tm, a_in, "r1")
+    sid = tok.session_id
+    assert table.is_implicit_id(sid) and obj.session_id is None  # the client's object is untouched
+    _answer(tm, obj, _toks(3, 20))
+    _, tok2 = _tokenized(tm, a_in + _toks(3, 20) + _toks(4, 30), "r2")
+    assert tok2.session_id == sid, "the next call of the conversation"
+    _, tok3 = _tokenized(tm, SYSTEM + _toks(5, 40), "r3")
+    assert tok3.session_id not in (None, sid), "another agent with the same system prompt"
+    _, explicit = _tokenized(tm, a_in + _toks(3, 20), "r4", session_id="agent-x")
+    assert explicit.session_id == "agent-x", "an explicit session_id wins"
+    _, hint = _tokenized(tm, a_in, "sglang-l3-hint-abc")
+    assert hint.session_id is None
+    _, short = _tokenized(tm, _toks(6, PAGE - 1), "r5")
+    assert short.session_id is None
+
+
+def test_the_hooks_are_off_with_the_session_radix_cache(tmp_path):
+    tm = _TM(tmp_path, radix_sessions=True)
+    _, tok = _tokenized(tm, SYSTEM + _toks(2, 37), "r1")
+    assert tok.session_id is None
+
+
+def test_after_a_restart_the_hooks_continue_a_persisted_conversation(tmp_path):
+    from sglang_l3.storage.safety import StoreDirs
+
+    tm = _TM(tmp_path)
+    a_in = SYSTEM + _toks(2, 37)
+    obj, tok = _tokenized(tm, a_in, "r1")
+    _answer(tm, obj, _toks(3, 20))
+    # what the scheduler's registry persists for that turn (patch sessions)
+    with StoreDirs(tmp_path, create=True) as dirs:
+        reg = SessionRetention(dirs, "0" * 16, writer=True)
+        full = page_keys(a_in + _toks(3, 20), PAGE)
+        reg.on_turn(tok.session_id, full, len(a_in) + 20, input_pages=len(a_in) // PAGE)
+        assert reg.flush()
+    restarted = _TM(tmp_path)  # a new tokenizer manager reads the table
+    _, again = _tokenized(restarted, a_in + _toks(7, 30), "r2")  # diverges right after the input
+    assert again.session_id == tok.session_id
