@@ -25,6 +25,21 @@ Runs:
   lru       the same with retention disabled (SGLANG_L3_DISABLE=sessions):
             upstream's plain LRU
 
+--plain (issue 31): the same agents as real clients send them - no
+session_id, no hints - with gaps that vary by turn (after each turn the
+framework waits --think x a seeded log-uniform factor in [0.2, 5], a tool
+call). All runs byte-capped with noise as above:
+  plain     implicit sessions (the server finds each conversation) and
+            predicted return (SGLANG_L3_PREDICTED_RETURN=25)
+  plain_off the same with this issue's features and retention disabled
+            (SGLANG_L3_DISABLE=sessions,implicit-sessions): upstream's LRU
+  hinted    today's best: session_id on every turn and a hint of the next
+            speaker
+last line: plain_ttft_vs_hinted=A plain_hit_vs_lru=B ttl_hits=C/D (A = median
+TTFT plain / hinted, B = cached tokens plain / plain_off; C/D = turns that
+found a TTL-pinned context / pinned turns: TTL pinning, issue 31 item 2, is
+not implemented, so 0/0). Targets A <= 1.2, B >= 1.5.
+
 Prints per run the median TTFT of turns >= 2 and the tokens found in L3 /
 on the device; last line: hint_ttft_vs_cold=R retained_hit_vs_lru=H with
 R = median TTFT hinted / cold and H = cached tokens (L3 + device) of turns
@@ -37,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -99,7 +115,9 @@ def speaking_order(agents: int, turns: int, seed: int) -> list[tuple[int, int]]:
     return order
 
 
-def _config(args: argparse.Namespace, store: Path, pool: int, disable: str = "", **extra) -> ServerConfig:
+def _config(
+    args: argparse.Namespace, store: Path, pool: int, disable: str = "", env: dict | None = None, **extra
+) -> ServerConfig:
     return ServerConfig(
         storage_dir=str(store),
         device=args.device,
@@ -108,7 +126,7 @@ def _config(args: argparse.Namespace, store: Path, pool: int, disable: str = "",
         prefetch_threshold=PAGE,
         page_size=PAGE,
         storage_extra_config=extra,
-        env={"SGLANG_L3_DISABLE": disable} if disable else {},
+        env={**({"SGLANG_L3_DISABLE": disable} if disable else {}), **(env or {})},
         # per-request queue/forward durations in the server log (ReqTimeStats lines)
         extra_args=["--enable-request-time-stats-logging"],
     )
@@ -128,13 +146,16 @@ def agents_run(
     noise: bool = False,
     disable: str = "",
     log_dir: Path,
+    plain: bool = False,
+    env: dict | None = None,
     **extra,
 ) -> Run:
     run = Run(label)
     histories = {a: prompt(1000 + a, args.context) for a in range(args.agents)}
     order = speaking_order(args.agents, args.turns, args.seed)
     hint_id: str | None = None
-    with Server(_config(args, store, pool, disable, **extra), log_dir / f"{label}.log", startup_timeout=900) as s:
+    gaps = random.Random(f"gaps-{args.seed}")  # the same tool-call gaps in every run
+    with Server(_config(args, store, pool, disable, env, **extra), log_dir / f"{label}.log", startup_timeout=900) as s:
         for i, (t, a) in enumerate(order):
             state = "-"
             if hint_id is not None:
@@ -143,7 +164,7 @@ def agents_run(
                 run.hints_landed += state == "landed"
                 hint_id = None
             ids = histories[a] + prompt(10_000 * a + t, args.message)
-            g = s.generate(ids, args.new, extra={"session_id": f"agent-{a}"})
+            g = s.generate(ids, args.new, extra=None if plain else {"session_id": f"agent-{a}"})
             histories[a] = ids + g.output_ids
             if t >= 1:
                 run.ttft.append(g.ttft_s)
@@ -164,7 +185,8 @@ def agents_run(
                 if hints and t_next >= 1:  # the next speaker has a context to stage
                     _, h = s.post("/sglang_l3/prefetch", {"session_id": f"agent-{nxt}"})
                     hint_id = h["hint_id"]
-                time.sleep(max(args.think, 0.0))
+                factor = math.exp(gaps.uniform(math.log(0.2), math.log(5.0))) if args.plain else 1.0
+                time.sleep(max(args.think * factor, 0.0))
     run.queue = queue_seconds(log_dir / f"{label}.log", run.rids)
     return run
 
@@ -183,6 +205,49 @@ def queue_seconds(log: Path, rids: list[str]) -> list[float]:
 
 def store_bytes(store: Path) -> int:
     return sum(f.stat().st_size for f in (store / "pages").iterdir())
+
+
+def print_table(runs: dict[str, Run]) -> None:
+    print(
+        f"{'run':9} {'turns>=2':>8} {'median TTFT ms':>15} {'L3 tokens':>10} {'device tokens':>14} "
+        f"{'cached %':>9} {'hints landed':>13} {'median queue ms':>16}"
+    )
+    for r in runs.values():
+        cached = 100.0 * r.hit / r.prompt if r.prompt else float("nan")
+        landed = f"{r.hints_landed}/{r.hints}" if r.hints else "-"
+        print(
+            f"{r.label:9} {len(r.ttft):8d} {r.median_ttft * 1e3:15.1f} {r.restored:10d} {r.device:14d} "
+            f"{cached:9.1f} {landed:>13} {r.median_queue * 1e3:16.1f}"
+        )
+
+
+def plain_runs(args: argparse.Namespace, pool: int, work: Path) -> int:
+    """--plain: plain (this issue's features), plain_off (disabled), hinted;
+    all byte-capped with noise, the cap measured on an uncapped plain run."""
+    probe = agents_run(args, "probe", work / "probe", pool=pool, plain=True, log_dir=work)
+    contexts = store_bytes(work / "probe")
+    cap = int(contexts * args.cap)
+    capped = {"noise": True, "log_dir": work, "max_bytes": cap, "min_free_bytes": 0}
+    runs = {
+        "plain": agents_run(
+            args, "plain", work / "plain", pool=pool, plain=True, env={"SGLANG_L3_PREDICTED_RETURN": "25"}, **capped
+        ),
+        "plain_off": agents_run(
+            args, "plain_off", work / "plain_off", pool=pool, plain=True, disable="sessions,implicit-sessions", **capped
+        ),
+        "hinted": agents_run(args, "hinted", work / "hinted", pool=pool, hints=True, **capped),
+    }
+    print(
+        f"capped runs: agents' contexts {contexts / 2**20:.2f} MiB in L3 (probe: plain, uncapped; "
+        f"TTFT {probe.median_ttft * 1e3:.1f} ms), byte cap {cap / 2**20:.2f} MiB ({args.cap}x), "
+        f"noise {args.noise} tokens after every turn"
+    )
+    print_table(runs)
+    a = runs["plain"].median_ttft / runs["hinted"].median_ttft
+    off = runs["plain_off"].hit
+    b = runs["plain"].hit / off if off else float("inf")
+    print(f"plain_ttft_vs_hinted={a:.2f} plain_hit_vs_lru={b:.2f} ttl_hits=0/0")
+    return 0
 
 
 def main() -> int:
@@ -205,6 +270,11 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--skip", default="", help="comma list of runs to skip: cold,hinted,device,capped")
     ap.add_argument("--verbose", action="store_true", help="print every turn (TTFT, where the prefix came from)")
+    ap.add_argument(
+        "--plain",
+        action="store_true",
+        help="issue 31: no session_id, no hints, gaps 0.2-5x --think; runs plain, plain_off, hinted (all capped)",
+    )
     args = ap.parse_args()
     if args.agents < 4:
         ap.error("--agents must be >= 4")
@@ -225,6 +295,8 @@ def main() -> int:
         flush=True,
     )
     runs: dict[str, Run] = {}
+    if args.plain:
+        return plain_runs(args, pool, work)
     if "cold" not in skip or "capped" not in skip:
         runs["cold"] = agents_run(args, "cold", work / "cold", pool=pool, log_dir=work)
     if "hinted" not in skip:
@@ -253,17 +325,7 @@ def main() -> int:
             f"capped runs: agents' contexts {contexts / 2**20:.2f} MiB in L3, byte cap {cap / 2**20:.2f} MiB "
             f"({args.cap}x), noise {args.noise} tokens after every turn ({noise_total} tokens in all)"
         )
-    print(
-        f"{'run':9} {'turns>=2':>8} {'median TTFT ms':>15} {'L3 tokens':>10} {'device tokens':>14} "
-        f"{'cached %':>9} {'hints landed':>13} {'median queue ms':>16}"
-    )
-    for r in runs.values():
-        cached = 100.0 * r.hit / r.prompt if r.prompt else float("nan")
-        landed = f"{r.hints_landed}/{r.hints}" if r.hints else "-"
-        print(
-            f"{r.label:9} {len(r.ttft):8d} {r.median_ttft * 1e3:15.1f} {r.restored:10d} {r.device:14d} "
-            f"{cached:9.1f} {landed:>13} {r.median_queue * 1e3:16.1f}"
-        )
+    print_table(runs)
     if {"hinted", "device"} <= runs.keys():
         print(f"hinted_vs_device={runs['hinted'].median_ttft / runs['device'].median_ttft:.2f}")
     ratio = runs["hinted"].median_ttft / runs["cold"].median_ttft if {"hinted", "cold"} <= runs.keys() else float("nan")

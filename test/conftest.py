@@ -97,6 +97,7 @@ SLOW_FIRST = (
     "e2e/test_images_server.py",
     "e2e/test_openai_client.py",
     "e2e/test_sessions_server.py",
+    "e2e/test_implicit_sessions_server.py",
     "e2e/test_mooncake_servers.py",
     "e2e/test_idle_server.py",
     "e2e/test_l3_restore_server.py",

@@ -26,6 +26,13 @@ _VARS = (
     # serving process / patch queue
     EnvVar("SGLANG_L3_DISABLE", "", "comma-separated patch ids not to apply (doctor shows them disabled)", "serving"),
     EnvVar(
+        "SGLANG_L3_PREDICTED_RETURN",
+        "off",
+        "percentile of a session's own gaps (answer -> next request) after which its idle context is "
+        "staged like a hint (predicted return, e.g. 25); off: never",
+        "serving",
+    ),
+    EnvVar(
         "SGLANG_L3_ALLOW_DRIFT",
         "0",
         "1: apply patches whose upstream targets drifted from their fingerprints",

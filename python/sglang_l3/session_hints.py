@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_l3 import metrics
+from sglang_l3.return_prediction import ReturnPredictor, configured_percentile
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +201,61 @@ class HintBook:
 
 
 BOOK = HintBook()
+PREDICT_TICK_S = 0.2
+
+
+class Prediction:
+    """Predicted return (sglang_l3.return_prediction) driven from the HTTP
+    process: requests report arrivals and answers; a background task stages
+    due sessions with an ordinary hint of their last context."""
+
+    def __init__(self) -> None:
+        pct = configured_percentile()
+        self.predictor = None if pct is None else ReturnPredictor(pct)
+        self._task: asyncio.Task | None = None
+
+    def arrived(self, tm: Any, sid: str) -> None:
+        if self.predictor is None:
+            return
+        self.predictor.arrived(sid)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop(tm))
+
+    def answered(self, sid: str) -> None:
+        if self.predictor is not None:
+            self.predictor.answered(sid)
+
+    def stage_due(self, tm: Any) -> list[Hint]:
+        """Start a hint for every due session whose last context is known."""
+        out = []
+        if self.predictor is None:
+            return out
+        for sid in self.predictor.due():
+            ids = BOOK.contexts.get(sid)
+            if ids is None or any(h.session_id == sid for h in BOOK.inflight()):
+                continue
+            hint, _ = BOOK.start(tm, ids, sid)
+            metrics.inc("session_hints", "predicted")
+            out.append(hint)
+        return out
+
+    async def _loop(self, tm: Any) -> None:
+        while True:
+            await asyncio.sleep(PREDICT_TICK_S)
+            try:
+                self.stage_due(tm)
+            except Exception:  # noqa: BLE001 - prediction must never take serving down
+                logger.exception("sglang-l3 predicted return: staging failed")
+
+
+PREDICTION: Prediction | None = None
+
+
+def prediction() -> Prediction:
+    global PREDICTION
+    if PREDICTION is None:
+        PREDICTION = Prediction()
+    return PREDICTION
 
 
 def hint_rid(sid: str | None) -> str:
@@ -240,6 +296,8 @@ def request_ids_and_session(obj: Any) -> tuple[list[int] | None, str | None, boo
 
 __all__ = [
     "BOOK",
+    "Prediction",
+    "prediction",
     "DEFERRED_DEVICE_FULL",
     "HINT_RID_PREFIX",
     "Hint",

@@ -219,3 +219,60 @@ def test_drop_through_the_scheduler_forgets_the_session(tmp_path):
     with L3Stack(spec, str(tmp_path)) as fresh:
         again = registry_of(fresh.cache)
         assert again.get("agent-a") is None and again.get("agent-b") is not None
+
+
+def _rewritten_history(tmp_path, core, *, demote: bool = True):
+    """Issue 31 item 4 over the real stack: plain traffic P, then agent-a's turn 1
+    (SEQ), then a turn 2 that keeps only SEQ's first 40 tokens (its history was
+    compressed). The byte cap is lowered to what the store holds and new plain
+    pages are written. Returns (registry, turn 1's chain, its stale tail's pages
+    that were on disk, those still on disk, P's pages on disk before, after)."""
+    import hashlib
+
+    import torch
+    from sglang_l3.patches.sessions import context_keys
+    from sglang_l3.storage.retention import SessionRetention
+
+    spec = HybridSpec(page_size=1, kv_size=2048)
+    with L3Stack(spec, str(tmp_path), tree_core=core, extra_config={"max_bytes": 2**30, "min_free_bytes": 0}) as st:
+        h = SchedulerHarness(st)
+        p_req = _serve(h, list(range(500, 700)))  # plain, older than the session's pages
+        turn1 = _serve(h, SEQ, "agent-a")
+        reg = registry_of(st.cache)
+        old = reg.get("agent-a").keys
+        assert old == context_keys(st.cache, turn1)[0]
+        if not demote:  # control: the registry does not look at the old chain
+            reg._stale_tail = lambda old, keys: []
+        _serve(h, SEQ[:40] + list(range(2000, 2200)), "agent-a")
+        backend = st.cache.cache_controller.storage_backend
+        p_keys = context_keys(st.cache, p_req)[0]
+        stale = [k for k in old[40:] if backend.exists(k)]
+        p_before = [k for k in p_keys if backend.exists(k)]
+        assert len(stale) >= 64 and len(p_before) >= 64, (len(stale), len(p_before))
+        assert all(backend.exists(k) for k in old[:40])
+        evictor = backend.store.evictor
+        fresh = [hashlib.sha256(f"fresh-{i}".encode()).hexdigest() for i in range(len(stale) // 2)]
+        with evictor._lock:
+            evictor.max_size_bytes = evictor._total_bytes
+            evictor.eviction_ratio = 1.0
+        assert all(backend.batch_set_v1(fresh, torch.arange(len(fresh), dtype=torch.int64)))
+        kept = [k for k in stale if backend.exists(k)]
+        p_after = [k for k in p_keys if backend.exists(k)]
+        shared_kept = all(backend.exists(k) for k in old[:40])
+        assert isinstance(reg, SessionRetention)
+        return reg, old, stale, kept, p_before, p_after, shared_kept
+
+
+def test_a_rewritten_historys_stale_tail_is_evicted_first(tmp_path, core):
+    from sglang_l3.storage.retention import DEMOTED, OPEN
+
+    reg, old, stale, kept, p_before, p_after, shared_kept = _rewritten_history(tmp_path, core)
+    assert reg.class_of(old[100]) == DEMOTED and reg.class_of(old[10]) == OPEN
+    assert len(kept) < len(stale), "the stale tail was not evicted"
+    assert p_after == p_before, "plain pages went before the rewritten history's stale tail"
+    assert shared_kept, "the shared prefix must stay"
+
+
+def test_control_without_demotion_plain_pages_go_first(tmp_path):
+    _, _, stale, kept, p_before, p_after, _ = _rewritten_history(tmp_path, "rust", demote=False)
+    assert len(p_after) < len(p_before) and kept == stale

@@ -256,3 +256,41 @@ def test_table_round_trip_and_validation():
     assert body["format"] == table.FORMAT
     with pytest.raises(table.TableError):
         table.decode(table.encode("m", recs), "other")
+
+
+def test_rewritten_history_demotes_the_stale_tail_before_plain_pages(tmp_path):
+    """Issue 31 item 4 on the store: a session's new turn that diverges inside
+    its previous input demotes the old chain's tail (before every plain page);
+    the shared prefix stays the session's; an ordinary next turn demotes nothing."""
+    from sglang_l3.storage.retention import DEMOTED, OPEN, PLAIN
+
+    kv = make_kv_pool()
+    fill_random(kv, 1)
+    st = _capped(tmp_path, kv, 14)
+    reg = st.store.sessions
+    plain = keys(4, "p")
+    assert all(st.batch_set_v1(plain, _idx(4)))  # older than the session's pages
+    old = keys(8, "a")
+    assert all(st.batch_set_v1(old, _idx(8)))
+    reg.on_turn("agent-a", old[:6], 24, finished=False)
+    reg.on_turn("agent-a", old, 32, input_pages=6)
+    # an ordinary next turn (diverging after the input, or extending input + output) demotes nothing
+    b = keys(5, "b")
+    reg.on_turn("agent-b", b, 20, input_pages=3)
+    reg.on_turn("agent-b", b[:3] + keys(2, "b2"), 20, finished=False)
+    reg.on_turn("agent-b", b[:3] + keys(2, "b2") + keys(1, "b3"), 24, input_pages=5)
+    assert not any(reg.demoted(k) for k in b)
+    rewritten = old[:2] + keys(3, "r")  # compressed: shares only 2 pages
+    reg.on_turn("agent-a", rewritten, 20, finished=False)
+    assert [reg.class_of(k) for k in old] == [OPEN, OPEN] + [DEMOTED] * 6
+    assert reg.class_of(plain[0]) == PLAIN
+    assert all(st.batch_set_v1(rewritten[2:], _idx(3)))
+    assert all(st.batch_set_v1(keys(4, "q"), _idx(4)))  # 4 + 8 + 3 + 4 pages > cap 14
+    assert _present(st, plain) == [True] * 4, "plain pages went before the stale tail"
+    assert _present(st, old[:2]) == [True, True]
+    assert not all(_present(st, old[2:]))
+    assert st.counters()["evicted_demoted"] >= 5
+    # the demoted tail becomes the session's again if a turn reaches it
+    reg.on_turn("agent-a", old, 32, finished=False)
+    assert reg.class_of(old[5]) == OPEN
+    st.close()

@@ -42,7 +42,7 @@ def _tm() -> Any:
     return getattr(state, "tokenizer_manager", None)
 
 
-def _store_root(tm: Any) -> str | None:
+def store_root(tm: Any) -> str | None:
     from sglang_l3.live_config import value
     from sglang_l3.storage.config import StoreSettings
 
@@ -96,7 +96,7 @@ def add_routes(app: Any) -> None:
         from sglang_l3.storage.sessions import session_rows
 
         tm = _tm()
-        root = _store_root(tm) if tm is not None else None
+        root = store_root(tm) if tm is not None else None
         rows = [] if root is None else [{k: v for k, v in r.items() if k != "keys"} for r in session_rows(root)]
         states: dict[str, int] = {}
         for h in BOOK.hints.values():
@@ -120,7 +120,7 @@ def add_routes(app: Any) -> None:
         tm = _tm()
         if tm is None:
             return JSONResponse({"error": "server is not ready"}, status_code=503)
-        root = _store_root(tm)
+        root = store_root(tm)
         if root is None:
             return JSONResponse(
                 {"error": "this server has no sglang-l3 store (--hicache-storage-backend file)"},
@@ -154,18 +154,25 @@ def _after_init(result: Any, tm: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *args: Any, **kwargs: Any) -> Any:
-    from sglang_l3.session_hints import BOOK, request_ids_and_session
+    from sglang_l3.session_hints import BOOK, prediction, request_ids_and_session
 
     ids, sid, is_hint = request_ids_and_session(obj)
+    top_sid = getattr(obj, "session_id", None)
+    predicted = not is_hint and isinstance(top_sid, str)
 
     async def run() -> Any:
         if not is_hint and BOOK.hints:
             await BOOK.join(ids, sid)
+        if predicted:
+            prediction().arrived(tm, top_sid)
         last = None
-        async for out in original(tm, obj, request, *args, **kwargs):
-            last = out
-            yield out
-        top_sid = getattr(obj, "session_id", None)
+        try:
+            async for out in original(tm, obj, request, *args, **kwargs):
+                last = out
+                yield out
+        finally:
+            if predicted:
+                prediction().answered(top_sid)
         if ids is not None and isinstance(top_sid, str) and isinstance(last, dict):
             out_ids = last.get("output_ids")
             if isinstance(out_ids, list):
@@ -175,5 +182,8 @@ def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *ar
 
 
 def apply(ctx: PatchContext) -> None:
+    from sglang_l3.session_hints import prediction
+
+    prediction()  # a bad SGLANG_L3_PREDICTED_RETURN fails start-up, with its reason
     ctx.after(f"{TM}.__init__", _after_init)
     ctx.around(f"{TM}.generate_request", _generate_request)

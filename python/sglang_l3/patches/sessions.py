@@ -93,7 +93,13 @@ def _on_release(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) ->
     try:
         keys, tokens = context_keys(cache, req)
         prio = getattr(req, "priority", None)
-        reg.on_turn(str(sid), keys, tokens, priority=int(prio) if prio is not None else None)
+        reg.on_turn(
+            str(sid),
+            keys,
+            tokens,
+            priority=int(prio) if prio is not None else None,
+            input_pages=len(req.origin_input_ids) // int(cache.page_size),
+        )
     except Exception:  # bookkeeping must never take a request down
         logger.exception("sglang-l3 sessions: cannot record session %s", sid)
     return

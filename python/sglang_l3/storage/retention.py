@@ -12,7 +12,18 @@ classes:
   2 pages of open sessions              - lowest priority, then oldest first
 
 Within a session the deepest page goes first, so what stays is still a
-restorable prefix. The byte cap and the free-space floor both walk this
+restorable prefix. An implicit session (named by the server for requests
+without a session_id, sglang_l3.implicit_sessions) ranks as closed until its
+second turn (a one-off prompt is not protected like a conversation), then as
+an open session of priority 0. Implicit sessions have no close: the registry
+keeps at most MAX_IMPLICIT of them and reaps the oldest one-turn session first
+(then the oldest), by the order of calls, which is the same on every rank.
+
+Rewritten history: when a session's new turn diverges from its recorded
+chain before that chain's input ends (the client compressed or edited its
+history, switched model or namespace), the old chain's tail past the shared
+prefix is *demoted*: those pages (unless another session holds them) go
+before every plain page. The shared prefix stays the session's. The byte cap and the free-space floor both walk this
 order to the end: retention decides *what* goes first, never *whether* the
 store may shrink - the free-space floor always wins.
 
@@ -26,18 +37,21 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from sglang_l3 import metrics as l3_metrics
 from sglang_l3.storage import sessions as table
-from sglang_l3.storage.sessions import SessionRecord, valid_session_id
+from sglang_l3.storage.sessions import SessionRecord, is_implicit_id, valid_session_id
 
 logger = logging.getLogger(__name__)
 
-PLAIN, CLOSED, OPEN = 0, 1, 2
-CLASS_NAMES = ("plain", "closed", "open")
+PLAIN, CLOSED, OPEN, DEMOTED = 0, 1, 2, 3
+CLASS_NAMES = ("plain", "closed", "open", "demoted")
 MAX_CLOSED = 1024  # closed sessions remembered (oldest forgotten first)
+MAX_IMPLICIT = 1024  # implicit sessions remembered (one-turn ones reaped first)
+MAX_DEMOTED = 1 << 20  # demoted page keys remembered (oldest forgotten: they become plain)
 
 
 def key_of_stem(stem: str) -> str:
@@ -61,6 +75,10 @@ class SessionRetention:
         self._lock = threading.Lock()
         self._sessions: dict[str, SessionRecord] = {}
         self._by_key: dict[str, dict[str, int]] = {}  # key -> {session id: depth}
+        # implicit sessions, least recently used first (the reaping order)
+        self._implicit: OrderedDict[str, None] = OrderedDict()
+        # page keys of rewritten histories' stale tails, evicted before plain pages
+        self._demoted: OrderedDict[str, None] = OrderedDict()
         self._version = 0
         self._saved_version = 0
         self._io_lock = threading.Lock()
@@ -69,7 +87,7 @@ class SessionRetention:
         self.load_reason: str | None = None
         if dirs is not None:
             records, self.load_reason = table.load(dirs, mid)
-            for r in records:
+            for r in sorted(records, key=lambda r: r.last_use):
                 self._put(r)
             if records:
                 logger.info(
@@ -87,11 +105,15 @@ class SessionRetention:
     def _put(self, rec: SessionRecord) -> None:
         self._unindex(rec.id)
         self._sessions[rec.id] = rec
+        if rec.implicit:
+            self._implicit[rec.id] = None
         for depth, k in enumerate(rec.keys):
+            self._demoted.pop(k, None)
             self._by_key.setdefault(k, {})[rec.id] = depth
 
     def _unindex(self, sid: str) -> None:
         old = self._sessions.pop(sid, None)
+        self._implicit.pop(sid, None)
         if old is None:
             return
         for k in old.keys:
@@ -107,7 +129,18 @@ class SessionRetention:
         if len(closed) > MAX_CLOSED:
             for r in sorted(closed, key=lambda r: r.last_use)[: len(closed) - MAX_CLOSED]:
                 self._unindex(r.id)
+        while len(self._implicit) > MAX_IMPLICIT:
+            self._unindex(self._reap_victim())
+            l3_metrics.inc("session_implicit_reaped")
         self._wake.set()
+
+    def _reap_victim(self) -> str:
+        """The implicit session to forget: the least recently used one-turn
+        session (a one-off prompt), else the least recently used one."""
+        for sid in self._implicit:
+            if self._sessions[sid].turns < 2:
+                return sid
+        return next(iter(self._implicit))
 
     def on_turn(
         self,
@@ -117,35 +150,65 @@ class SessionRetention:
         priority: int | None = None,
         *,
         finished: bool = True,
+        input_pages: int | None = None,
     ) -> bool:
         """A request of session sid finished (or, finished=False, was queued:
-        its input's chain is protected while it runs): keys is the chain."""
+        its input's chain is protected while it runs): keys is the chain,
+        input_pages the full pages of the request's input (default: all)."""
         if not valid_session_id(sid):
             return False
+        n_in = len(keys) if input_pages is None else max(0, min(int(input_pages), len(keys)))
         with self._lock:
             old = self._sessions.get(sid)
             prio = priority if priority is not None else (old.priority if old else 0)
             # A closed session stays closed (a late finish after /close_session
             # must not re-protect it); /open_session reopens it.
             is_open = old.open if old is not None else True
-            self._put(SessionRecord(sid, list(keys), int(tokens), int(prio), self._now(), is_open))
+            # a turn counts when it is queued; a finish never seen queued counts once
+            turns = (old.turns if old else 0) + (0 if finished else 1)
+            rec = SessionRecord(sid, list(keys), int(tokens), int(prio), self._now(), is_open)
+            rec.implicit, rec.turns, rec.input_pages = is_implicit_id(sid), max(turns, 1), n_in
+            stale = [] if old is None else self._stale_tail(old, keys)
+            self._put(rec)
+            for k in stale:
+                if k not in self._by_key:  # no session holds it any more
+                    self._demoted[k] = None
+            while len(self._demoted) > MAX_DEMOTED:
+                self._demoted.popitem(last=False)
             self._changed()
         l3_metrics.inc("session_turns" if finished else "session_turns_started")
+        if stale:
+            l3_metrics.inc("session_history_rewritten")
         return True
+
+    @staticmethod
+    def _stale_tail(old: SessionRecord, keys: list[str]) -> list[str]:
+        """The old chain's keys past the prefix it shares with `keys`, when
+        the new chain diverges before the old chain's input ended (a
+        rewritten history); [] for an ordinary next turn."""
+        shared = 0
+        for a, b in zip(old.keys, keys):
+            if a != b:
+                break
+            shared += 1
+        end = old.input_pages if old.input_pages > 0 else len(old.keys)
+        if shared >= end or shared >= len(old.keys):
+            return []
+        return old.keys[shared:]
+
+    def demoted(self, key: str) -> bool:
+        with self._lock:
+            return key in self._demoted and key not in self._by_key
 
     def open(self, sid: str, priority: int | None = None) -> bool:
         if not valid_session_id(sid):
             return False
         with self._lock:
             old = self._sessions.get(sid)
-            rec = SessionRecord(
-                sid,
-                list(old.keys) if old else [],
-                old.tokens if old else 0,
-                priority if priority is not None else (old.priority if old else 0),
-                self._now(),
-                True,
-            )
+            rec = old.copy() if old else SessionRecord(sid, implicit=is_implicit_id(sid))
+            if priority is not None:
+                rec.priority = priority
+            rec.last_use, rec.open = self._now(), True
             self._put(rec)
             self._changed()
         return True
@@ -181,7 +244,7 @@ class SessionRetention:
     def get(self, sid: str) -> SessionRecord | None:
         with self._lock:
             r = self._sessions.get(sid)
-            return None if r is None else SessionRecord(r.id, list(r.keys), r.tokens, r.priority, r.last_use, r.open)
+            return None if r is None else r.copy()
 
     def is_open(self, sid: str) -> bool:
         with self._lock:
@@ -190,10 +253,7 @@ class SessionRetention:
 
     def records(self) -> list[SessionRecord]:
         with self._lock:
-            return [
-                SessionRecord(r.id, list(r.keys), r.tokens, r.priority, r.last_use, r.open)
-                for r in self._sessions.values()
-            ]
+            return [r.copy() for r in self._sessions.values()]
 
     # -------------------------------------------------------- classification
     def rank(self, key: str) -> tuple:
@@ -201,11 +261,16 @@ class SessionRetention:
         the LRU tie-break the caller appends."""
         owners = self._by_key.get(key)
         if not owners:
-            return (PLAIN,)
+            return (DEMOTED,) if key in self._demoted else (PLAIN,)
         best: tuple | None = None
         for sid, depth in owners.items():
             r = self._sessions[sid]
-            t = (OPEN, r.priority, r.last_use, -depth) if r.open else (CLOSED, 0, r.last_use, -depth)
+            if r.implicit and r.turns < 2:  # a one-off so far: not protected like a conversation
+                t = (CLOSED, 0, r.last_use, -depth)
+            elif r.open:
+                t = (OPEN, r.priority, r.last_use, -depth)
+            else:
+                t = (CLOSED, 0, r.last_use, -depth)
             if best is None or t > best:
                 best = t
         assert best is not None
@@ -216,11 +281,21 @@ class SessionRetention:
 
         Lazy: plain pages are yielded in LRU order as the walk meets them, so
         an eviction that plain pages satisfy never sorts; the protected ones
-        are sorted only once the plain ones are used up."""
+        are sorted only once the plain ones are used up. Demoted pages (the
+        stale tails of rewritten histories) go before all of them."""
+        stems = list(stems)
+        if self._demoted:
+            for s in stems:
+                with self._lock:
+                    r = self.rank(key_of_stem(s))
+                if r[0] == DEMOTED:
+                    yield s, DEMOTED
         protected: list[tuple[tuple, int, str]] = []
         for i, s in enumerate(stems):
             with self._lock:
                 r = self.rank(key_of_stem(s))
+            if r[0] == DEMOTED:
+                continue
             if r[0] == PLAIN:
                 yield s, PLAIN
             else:
@@ -259,10 +334,7 @@ class SessionRetention:
                 version = self._version
                 if version == self._saved_version:
                     return True
-                snap = [
-                    SessionRecord(r.id, list(r.keys), r.tokens, r.priority, r.last_use, r.open)
-                    for r in self._sessions.values()
-                ]
+                snap = [r.copy() for r in self._sessions.values()]
             try:
                 table.save(self.dirs, self.mid, snap)
             except OSError as e:
@@ -336,6 +408,8 @@ def make_session_evictor(base: type, retention: SessionRetention, counters: Any)
 
 __all__ = [
     "CLASS_NAMES",
+    "DEMOTED",
+    "MAX_IMPLICIT",
     "SessionRetention",
     "key_of_stem",
     "make_session_evictor",

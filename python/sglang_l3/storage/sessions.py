@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from sglang_l3.storage.safety import StoreDirs, UnsafeStoreError, valid_key
@@ -31,6 +31,9 @@ VERSION = 1
 SUFFIX = ".sessions"
 MAX_TABLE_BYTES = 256 * 2**20  # refuse to parse anything larger (not ours / damaged)
 MAX_ID_LEN = 256
+# Ids the server mints for implicit sessions (requests without a session_id,
+# sglang_l3.implicit_sessions); an explicit id of this form counts as implicit.
+IMPLICIT_PREFIX = "implicit-"
 
 
 class TableError(ValueError):
@@ -45,6 +48,16 @@ class SessionRecord:
     priority: int = 0  # larger = retained longer among open sessions
     last_use: float = 0.0  # wall-clock seconds
     open: bool = True
+    implicit: bool = False  # named by the server (no session_id from the client)
+    turns: int = 0  # turns queued since this server (or table) first saw it
+    input_pages: int = 0  # full pages of the last turn's input (its chain's input end)
+
+    def copy(self) -> SessionRecord:
+        return replace(self, keys=list(self.keys))
+
+
+def is_implicit_id(sid: object) -> bool:
+    return isinstance(sid, str) and sid.startswith(IMPLICIT_PREFIX)
 
 
 def valid_session_id(sid: object) -> bool:
@@ -117,7 +130,17 @@ def _record(d: object) -> SessionRecord:
         and isinstance(is_open, bool)
     ):
         raise TableError(f"session {sid!r}: malformed fields")
-    return SessionRecord(sid, list(keys), tokens, priority, float(last_use), is_open)
+    # fields added after version 1 was written: optional, with their defaults
+    implicit, turns, input_pages = d.get("implicit", False), d.get("turns", 0), d.get("input_pages", 0)
+    if not (
+        isinstance(implicit, bool)
+        and isinstance(turns, int)
+        and turns >= 0
+        and isinstance(input_pages, int)
+        and 0 <= input_pages <= len(keys)
+    ):
+        raise TableError(f"session {sid!r}: malformed fields")
+    return SessionRecord(sid, list(keys), tokens, priority, float(last_use), is_open, implicit, turns, input_pages)
 
 
 def decode(data: bytes, mid: str | None) -> tuple[str, list[SessionRecord]]:
@@ -186,10 +209,12 @@ def list_tables(root: Any) -> list[str]:
 
 
 __all__ = [
+    "IMPLICIT_PREFIX",
     "SessionRecord",
     "TableError",
     "decode",
     "encode",
+    "is_implicit_id",
     "list_tables",
     "load",
     "read_table_bytes",
@@ -245,6 +270,8 @@ def session_rows(root: str, model: str | None = None) -> list[dict[str, Any]]:
                     "model": scan.models.get(mid, {}).get("model", "?"),
                     "id": r.id,
                     "state": "open" if r.open else "closed",
+                    "kind": "implicit" if r.implicit else "explicit",
+                    "turns": r.turns,
                     "priority": r.priority,
                     "tokens": r.tokens,
                     "chain_pages": len(r.keys),

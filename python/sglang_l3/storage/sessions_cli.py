@@ -69,7 +69,7 @@ def _print_ls(rows: list[dict[str, Any]]) -> None:
         print("no sessions")
         return
     print(
-        f"{'session':<24} {'state':<6} {'prio':>4} {'tokens':>8} {'pages':>11} "
+        f"{'session':<24} {'kind':<8} {'state':<6} {'prio':>4} {'tokens':>8} {'pages':>11} "
         f"{'restorable':>10} {'bytes':>10}  last use   model"
     )
     for r in rows:
@@ -77,7 +77,7 @@ def _print_ls(rows: list[dict[str, Any]]) -> None:
             print(f"  table {r['table']} ignored: {r['error']}")
             continue
         print(
-            f"{r['id'][:24]:<24} {r['state']:<6} {r['priority']:>4} {r['tokens']:>8} "
+            f"{r['id'][:24]:<24} {r['kind']:<8} {r['state']:<6} {r['priority']:>4} {r['tokens']:>8} "
             f"{r['stored_pages']:>5}/{r['chain_pages']:<5} {r['restorable_pages']:>10} "
             f"{fmt_bytes(r['bytes']):>10}  {_age(r['last_use']):<10} {r['mid'][:12]} ({r['model']})"
         )
@@ -149,7 +149,10 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(r, indent=1))
                 continue
-            print(f"session {r['id']} ({r['state']}, priority {r['priority']}) model {r['mid']} ({r['model']})")
+            print(
+                f"session {r['id']} ({r['kind']}, {r['state']}, priority {r['priority']}, {r['turns']} turns) "
+                f"model {r['mid']} ({r['model']})"
+            )
             print(f"  context: {r['tokens']} tokens, {r['chain_pages']} pages in its chain")
             print(
                 f"  on disk: {r['stored_pages']} KV pages, restorable prefix {r['restorable_pages']} pages, "

@@ -1,0 +1,291 @@
+"""Issue 31, item 1: implicit sessions (no session_id from the client).
+
+The tokenizer manager's decision (sglang_l3.implicit_sessions) on real L3
+page-key chains (upstream's get_storage_hash_str), and the session registry's
+own rule for implicit sessions (storage.retention): one-turn ones rank with
+closed sessions and are reaped first, so the table stays bounded."""
+
+from __future__ import annotations
+
+import pytest
+from sglang_l3 import metrics as l3_metrics
+from sglang_l3.implicit_sessions import MAX_SESSIONS, ImplicitSessions, page_keys
+from sglang_l3.storage import retention
+from sglang_l3.storage import sessions as table
+from sglang_l3.storage.retention import CLOSED, MAX_IMPLICIT, OPEN, PLAIN, SessionRetention
+from test_store_support import keys
+
+PAGE = 16
+
+
+def _toks(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 30000 + 1 for i in range(n)]
+
+
+SYSTEM = _toks(1, 100)  # a system prompt of 6.25 pages
+
+
+class _Turn:
+    """One call of an agent: the tracker's decision, then its finish."""
+
+    def __init__(self, t: ImplicitSessions, ids: list[int], out: list[int]):
+        self.ids, self.out = ids, out
+        self.sid, self.continued = t.decide(page_keys(ids, PAGE))
+        t.finished(self.sid, len(ids) // PAGE, page_keys(ids + out, PAGE))
+
+
+def test_one_agents_calls_are_one_session_and_two_agents_are_two():
+    t = ImplicitSessions()
+    a_in = SYSTEM + _toks(2, 37)
+    b_in = SYSTEM + _toks(3, 41)  # another agent: shares only the system prompt
+    a1 = _Turn(t, a_in, _toks(4, 20))
+    b1 = _Turn(t, b_in, _toks(5, 20))
+    assert not a1.continued and not b1.continued and a1.sid != b1.sid
+    assert a1.sid.startswith(table.IMPLICIT_PREFIX) and table.valid_session_id(a1.sid)
+    # a's next call re-serialises its answer (diverges right after its input)
+    a2 = _Turn(t, a_in + _toks(6, 25) + _toks(7, 60), _toks(8, 20))
+    assert a2.continued and a2.sid == a1.sid
+    # and the one after extends input + output exactly
+    a3_in = a2.ids + a2.out + _toks(9, 30)
+    a3 = _Turn(t, a3_in, _toks(10, 20))
+    assert a3.continued and a3.sid == a1.sid
+    # b's next call is b's, even though a's chain is longer
+    b2 = _Turn(t, b_in + b1.out + _toks(11, 40), _toks(12, 20))
+    assert b2.continued and b2.sid == b1.sid
+    # a third agent with the same system prompt starts its own
+    c1 = _Turn(t, SYSTEM + _toks(13, 50), _toks(14, 20))
+    assert not c1.continued and c1.sid not in (a1.sid, b1.sid)
+    assert len(t) == 3
+
+
+def test_a_prompt_that_diverges_inside_the_earlier_input_starts_a_session():
+    t = ImplicitSessions()
+    a1 = _Turn(t, SYSTEM + _toks(2, 80), _toks(3, 20))
+    edited = SYSTEM + _toks(2, 40) + _toks(4, 60)  # same start, history rewritten
+    e = _Turn(t, edited, _toks(5, 20))
+    assert not e.continued and e.sid != a1.sid
+    # under one full page: no end point, nothing to continue
+    assert t.match(page_keys(_toks(6, PAGE - 1), PAGE)) is None
+
+
+def test_keys_are_the_l3_chain_with_its_namespace():
+    ids = _toks(2, 3 * PAGE + 5)
+    ks = page_keys(ids, PAGE)
+    assert len(ks) == 3 and ks == page_keys(ids[: 3 * PAGE], PAGE)
+    assert page_keys(ids, PAGE, extra_key="lora-x") != ks
+    assert page_keys(ids, PAGE, cache_salt="s")[0] != ks[0]
+
+
+def test_the_tracker_stays_bounded_over_10000_one_off_requests():
+    t = ImplicitSessions()
+    a1 = _Turn(t, SYSTEM + _toks(2, 40), _toks(3, 20))
+    a2 = _Turn(t, a1.ids + a1.out + _toks(4, 30), _toks(5, 20))
+    assert a2.sid == a1.sid
+    for i in range(10_000):
+        one = _Turn(t, _toks(100 + i, 2 * PAGE + 3), [1, 2, 3])
+        assert not one.continued
+    assert len(t) <= MAX_SESSIONS and t.ends() <= 2 * MAX_SESSIONS
+    a3 = _Turn(t, a2.ids + a2.out + _toks(6, 30), _toks(7, 20))
+    assert a3.continued and a3.sid == a1.sid, "a conversation outlives one-off prompts"
+
+
+def test_the_tracker_reloads_implicit_sessions_from_the_table():
+    t = ImplicitSessions()
+    a1 = _Turn(t, SYSTEM + _toks(2, 40), _toks(3, 20))
+    full = page_keys(a1.ids + a1.out, PAGE)
+    rec = table.SessionRecord(a1.sid, full, len(a1.ids) + 20, implicit=True, turns=1, input_pages=len(a1.ids) // PAGE)
+    explicit = table.SessionRecord("agent-x", page_keys(_toks(9, 64), PAGE), 64)
+    t2 = ImplicitSessions()
+    assert t2.load([rec, explicit]) == 1
+    again = _Turn(t2, a1.ids + _toks(4, 50), _toks(5, 20))  # diverges after the input
+    assert again.continued and again.sid == a1.sid
+    assert t2.match(page_keys(_toks(9, 64), PAGE)) is None  # explicit sessions are not matched
+
+
+# ------------------------------------------------------------ the registry
+def _implicit(i: int) -> str:
+    return f"{table.IMPLICIT_PREFIX}{i:032x}"
+
+
+def _turn(reg: SessionRetention, sid: str, ks: list[str]) -> None:
+    reg.on_turn(sid, ks[:-1] or ks, 4 * len(ks), finished=False)
+    reg.on_turn(sid, ks, 4 * len(ks) + 2, input_pages=len(ks) - 1)
+
+
+def test_one_turn_implicit_sessions_rank_as_closed_then_open():
+    reg = SessionRetention(None, "m" * 16, writer=False)
+    ks = keys(3, "a")
+    sid = _implicit(1)
+    _turn(reg, sid, ks)
+    r = reg.get(sid)
+    assert r.implicit and r.turns == 1 and r.open and r.input_pages == 2
+    assert reg.class_of(ks[0]) == CLOSED
+    _turn(reg, sid, ks + keys(1, "b"))
+    assert reg.get(sid).turns == 2 and reg.class_of(ks[0]) == OPEN
+    # explicit sessions are unchanged: open from the first turn
+    reg.on_turn("agent-x", keys(2, "x"), 8)
+    assert reg.class_of(keys(2, "x")[0]) == OPEN and not reg.get("agent-x").implicit
+
+
+def test_the_table_reaps_one_off_implicit_sessions_over_10000_requests(tmp_path):
+    from sglang_l3.storage.safety import StoreDirs
+
+    mid = "0" * 16
+    with StoreDirs(tmp_path / "store", create=True) as dirs:
+        reg = SessionRetention(dirs, mid, writer=False)
+        conv = _implicit(0)
+        conv_keys = keys(4, "conv")
+        _turn(reg, conv, conv_keys[:2])
+        _turn(reg, conv, conv_keys)  # a conversation: two turns
+        reg.on_turn("agent-x", keys(2, "x"), 8)  # an explicit session is never reaped
+        before = l3_metrics.get("session_implicit_reaped")
+        for i in range(1, 10_001):
+            _turn(reg, _implicit(i), keys(2, f"one-{i}"))
+        recs = reg.records()
+        implicit = [r for r in recs if r.implicit]
+        assert len(implicit) == MAX_IMPLICIT
+        assert reg.get(conv) is not None and reg.get("agent-x") is not None
+        assert (
+            l3_metrics.get("session_implicit_reaped") - before == 10_000 + 1 - MAX_IMPLICIT
+        )  # the conversation + 10,000 one-offs
+        # the newest one-offs stay (least recently used reaped first); the reaped ones' pages are plain
+        assert reg.get(_implicit(10_000)) is not None and reg.get(_implicit(1)) is None
+        assert reg.class_of(keys(2, "one-1")[0]) == PLAIN
+        assert reg.class_of(conv_keys[0]) == OPEN
+        # persisted and reloaded: the same bounded table, the implicit fields kept
+        reg.writer = True
+        assert reg.flush()
+        again = SessionRetention(dirs, mid, writer=False)
+        assert len(again.records()) == len(recs)
+        r = again.get(conv)
+        assert r.implicit and r.turns == 2 and r.input_pages == 3 and r.keys == conv_keys
+        _turn(again, _implicit(20_000), keys(2, "late"))
+        assert again.get(conv) is not None and len([r for r in again.records() if r.implicit]) == MAX_IMPLICIT
+
+
+def test_table_reads_records_written_before_the_implicit_fields():
+    import hashlib
+    import json
+
+    body = json.dumps(
+        {
+            "format": table.FORMAT,
+            "version": table.VERSION,
+            "mid": "m",
+            "sessions": [{"id": "a", "keys": keys(2), "tokens": 8, "priority": 0, "last_use": 1.0, "open": True}],
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
+    data = json.dumps({"sha256": hashlib.sha256(body).hexdigest()}).encode() + b"\n" + body
+    (r,) = table.decode(data, "m")[1]
+    assert not r.implicit and r.turns == 0 and r.input_pages == 0
+    bad = table.SessionRecord("b", keys(1), 4, input_pages=2)
+    with pytest.raises(table.TableError):
+        table.decode(table.encode("m", [bad]), "m")
+
+
+def test_cap_constants_agree():
+    assert retention.MAX_IMPLICIT == MAX_SESSIONS
+
+
+# ------------------------------------------------- the tokenizer-manager hooks
+class _Args:
+    def __init__(self, store, radix_sessions=False):
+        self.hicache_storage_backend = "file"
+        self.hicache_storage_backend_extra_config = f'{{"store_dir": "{store}"}}'
+        self.page_size = PAGE
+        self.enable_session_radix_cache = radix_sessions
+
+
+class _TM:
+    """Stands in for the TokenizerManager around the two hooked methods (the
+    server test drives them through upstream's)."""
+
+    def __init__(self, store, **kw):
+        self.server_args = _Args(store, **kw)
+        self.incremental_streaming_output = False
+
+
+def _tokenized(tm, ids, rid, **obj_fields):
+    from array import array
+
+    from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+    from sglang_l3.patches import implicit_sessions as patch
+
+    obj = GenerateReqInput(input_ids=list(ids), rid=rid, **obj_fields)
+    tok = TokenizedGenerateReqInput(
+        input_text=None,
+        input_ids=array("q", ids),
+        input_embeds=None,
+        mm_inputs=None,
+        token_type_ids=None,
+        sampling_params=None,
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        token_ids_logprob=None,
+        stream=False,
+        rid=rid,
+        session_id=obj_fields.get("session_id"),
+    )
+    patch._after_tokenize(tok, tm, obj, None, list(ids), None, None, None)
+    return obj, tok
+
+
+def _answer(tm, obj, out_ids):
+    """Run the generate_request hook over an upstream stand-in that answers out_ids."""
+    import asyncio
+
+    from sglang_l3.patches import implicit_sessions as patch
+
+    async def original(tm_, obj_, request=None):
+        yield {"output_ids": list(out_ids), "meta_info": {"finish_reason": {"type": "length"}}}
+
+    async def main():
+        return [o async for o in patch._generate_request(original, tm, obj)]
+
+    return asyncio.run(main())
+
+
+def test_the_hooks_name_conversations_and_leave_explicit_ones_alone(tmp_path):
+    tm = _TM(tmp_path)
+    a_in = SYSTEM + _toks(2, 37)
+    obj, tok = _tokenized(tm, a_in, "r1")
+    sid = tok.session_id
+    assert table.is_implicit_id(sid) and obj.session_id is None  # the client's object is untouched
+    _answer(tm, obj, _toks(3, 20))
+    _, tok2 = _tokenized(tm, a_in + _toks(3, 20) + _toks(4, 30), "r2")
+    assert tok2.session_id == sid, "the next call of the conversation"
+    _, tok3 = _tokenized(tm, SYSTEM + _toks(5, 40), "r3")
+    assert tok3.session_id not in (None, sid), "another agent with the same system prompt"
+    _, explicit = _tokenized(tm, a_in + _toks(3, 20), "r4", session_id="agent-x")
+    assert explicit.session_id == "agent-x", "an explicit session_id wins"
+    _, hint = _tokenized(tm, a_in, "sglang-l3-hint-abc")
+    assert hint.session_id is None
+    _, short = _tokenized(tm, _toks(6, PAGE - 1), "r5")
+    assert short.session_id is None
+
+
+def test_the_hooks_are_off_with_the_session_radix_cache(tmp_path):
+    tm = _TM(tmp_path, radix_sessions=True)
+    _, tok = _tokenized(tm, SYSTEM + _toks(2, 37), "r1")
+    assert tok.session_id is None
+
+
+def test_after_a_restart_the_hooks_continue_a_persisted_conversation(tmp_path):
+    from sglang_l3.storage.safety import StoreDirs
+
+    tm = _TM(tmp_path)
+    a_in = SYSTEM + _toks(2, 37)
+    obj, tok = _tokenized(tm, a_in, "r1")
+    _answer(tm, obj, _toks(3, 20))
+    # what the scheduler's registry persists for that turn (patch sessions)
+    with StoreDirs(tmp_path, create=True) as dirs:
+        reg = SessionRetention(dirs, "0" * 16, writer=True)
+        full = page_keys(a_in + _toks(3, 20), PAGE)
+        reg.on_turn(tok.session_id, full, len(a_in) + 20, input_pages=len(a_in) // PAGE)
+        assert reg.flush()
+    restarted = _TM(tmp_path)  # a new tokenizer manager reads the table
+    _, again = _tokenized(restarted, a_in + _toks(7, 30), "r2")  # diverges right after the input
+    assert again.session_id == tok.session_id
