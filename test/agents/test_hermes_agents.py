@@ -42,6 +42,7 @@ pytestmark = [pytest.mark.agents, pytest.mark.e2e, pytest.mark.slow]
 MODEL = "tiny-qwen35-text"
 SERVED_NAME = "tiny-qwen35"
 CONTEXT = 65536
+MAX_TOKENS = 2048
 PAGE = 64
 STARTUP_TIMEOUT = float(os.environ.get("SGLANG_L3_E2E_STARTUP_TIMEOUT", "420"))
 AGENT_FLAGS = [
@@ -121,7 +122,11 @@ def test_two_hermes_agents_at_once(tmp_path: Path) -> None:
     try:
         base_holder["url"] = server.base + "/v1"
         sandboxes = {
-            n: hermes.Sandbox.create(boxes[n], base_url=base_holder["url"], model=SERVED_NAME, context_length=CONTEXT)
+            # max_tokens: Hermes otherwise asks for 65,536 new tokens, which this context
+            # refuses outright (HTTP 400, docs/agents.md)
+            n: hermes.Sandbox.create(
+                boxes[n], base_url=base_holder["url"], model=SERVED_NAME, context_length=CONTEXT, max_tokens=MAX_TOKENS
+            )
             for n in names
         }
         for n, box in sandboxes.items():
@@ -142,6 +147,7 @@ def test_two_hermes_agents_at_once(tmp_path: Path) -> None:
     rows = read_records(record)
     for n in names:
         proc = done[n]
+        (tmp_path / f"{n}.out").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
         assert proc.returncode == 0, f"{n}: rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         work = sandboxes[n].work
         # the agent executed the tool calls it received (files in its sandbox only)

@@ -3,11 +3,12 @@ sampled tokens follow a script chosen from each request's prompt
 (sglang_l3.cpu_serving.scripted_decode), and the model's own log-probability of
 every forced token is recorded per request.
 
-How: AROUND `TpModelWorker.forward_batch_generation`. Upstream runs the forward and
-samples; then, for every request of the batch that is at a sampling point (the
+How: AROUND `ModelRunner.sample`, the log-softmax of the logits is kept before
+upstream's sampler edits them in place (temperature, penalties, softmax). AROUND
+`TpModelWorker.forward_batch_generation`: upstream runs the forward and samples; then, for every request of the batch that is at a sampling point (the
 last chunk of its prefill, or a decode step) and whose prompt a rule matches, the
-sampled id is replaced by the script's next token and `log_softmax` of that row's
-logits at the token is recorded (also written into `next_token_logprobs` when the
+sampled id is replaced by the script's next token and the kept log-probability of
+that row at the token is recorded (also written into `next_token_logprobs` when the
 request asked for logprobs). Everything after (the next step's input, the output
 processor, detokenizer, reasoning and tool-call parsers) sees the forced token as
 if the model had sampled it. A delayed sample (overlap with a grammar) is wrapped
@@ -24,6 +25,8 @@ from sglang_l3 import envs
 from sglang_l3.patches.framework import PatchContext
 
 _TARGET = "sglang.srt.managers.tp_worker:TpModelWorker.forward_batch_generation"
+_SAMPLE = "sglang.srt.model_executor.model_runner:ModelRunner.sample"
+_RAW = "sglang_l3_raw_logprobs"  # attribute on the LogitsProcessorOutput
 _MAX_LIVE = 4096  # requests with a script in flight (a finished or aborted one may linger)
 
 
@@ -87,7 +90,9 @@ class _Scripter:
         if ids is None or batch is None or not batch.reqs:
             return 0
         n = 0
-        logits = result.logits_output.next_token_logits if result.logits_output is not None else None
+        # log-probabilities of the logits as the model produced them, taken before
+        # upstream's sampler scaled / penalised / softmaxed them in place
+        logits = getattr(result.logits_output, _RAW, None) if result.logits_output is not None else None
         for i, req in enumerate(batch.reqs):
             if not self._at_sampling_point(batch, req):
                 continue
@@ -99,7 +104,7 @@ class _Scripter:
             tok = forced.tokens[forced.pos]
             ids[i] = tok
             if logits is not None:
-                lp = float(self.torch.log_softmax(logits[i].float(), dim=-1)[tok])
+                lp = float(logits[i, tok])
                 forced.logprobs.append(lp)
                 out = result.logits_output.next_token_logprobs
                 if out is not None:
@@ -144,4 +149,11 @@ def apply(ctx: PatchContext) -> None:
             ctx.fired("forced")
         return result
 
+    def sample(original: Callable, self: Any, logits_output: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        raw = getattr(logits_output, "next_token_logits", None)
+        if raw is not None:
+            setattr(logits_output, _RAW, raw.float().log_softmax(dim=-1))
+        return original(self, logits_output, forward_batch, *args, **kwargs)
+
+    ctx.around(_SAMPLE, sample)
     ctx.around(_TARGET, forward_batch_generation)
