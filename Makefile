@@ -18,9 +18,23 @@ MOONCAKE_PKG  := mooncake-transfer-engine-non-cuda==0.3.13.post1
 MOONCAKE_DEBS := libibverbs1 libnuma1 libcurl4
 MC_STAMP      := $(VENV)/.mooncake-installed
 
-.PHONY: install install-mooncake lint test test-fast test-upstream demo demo-stack demo-server bench bench-check soak doctor
+# hermes-agent (the agent client of `make test-agents`, docs/agents.md) in its own venv:
+# its pins clash with SGLang's. HERMES=0 skips it (the agent tests then skip, saying why).
+HERMES        ?= 1
+HERMES_VENV   ?= .venv-hermes
+HERMES_STAMP  := $(HERMES_VENV)/.hermes-installed
 
-install: $(STAMP) $(if $(filter 1,$(MOONCAKE)),$(MC_STAMP))
+.PHONY: install install-mooncake install-hermes lint test test-fast test-upstream test-agents demo demo-stack demo-server bench bench-check soak doctor
+
+install: $(STAMP) $(if $(filter 1,$(MOONCAKE)),$(MC_STAMP)) $(if $(filter 1,$(HERMES)),$(HERMES_STAMP))
+
+install-hermes: $(HERMES_STAMP)
+
+$(HERMES_STAMP): requirements/hermes.txt
+	test -x $(HERMES_VENV)/bin/python || $(PY_BOOT) -m venv $(HERMES_VENV)
+	$(HERMES_VENV)/bin/pip install -q -r requirements/hermes.txt
+	$(HERMES_VENV)/bin/python -c "import run_agent, hermes_cli.main"
+	touch $(HERMES_STAMP)
 
 install-mooncake: $(MC_STAMP)
 
@@ -68,6 +82,10 @@ test-fast: install
 
 test-upstream: install
 	$(PY) test/run_suite.py --suite upstream
+
+# two real Hermes agents against a CPU server (docs/agents.md); long, not part of `make test`
+test-agents: install
+	$(PY) test/run_suite.py --suite agents
 
 # The cache stack on CPU (agents → L3 → evict → restore, bit-exact table), then
 # a tiny hybrid model served on CPU with L3 (per-turn prefix source and TTFT);

@@ -28,6 +28,10 @@ def pytest_configure(config: pytest.Config) -> None:
         ("rdna3", "needs an RDNA3 (gfx11xx) GPU; skipped elsewhere"),
         ("e2e", "starts a real SGLang server"),
         ("slow", "takes more than a few seconds"),
+        (
+            "agents",
+            "drives real hermes-agent processes against a server (test/agents, `make test-agents`, not in `make test`)",
+        ),
         ("aot", "ahead-of-time compiles Triton kernels for gfx1100 (no GPU needed)"),
         ("l3_wait_abandoned_expected", "the test makes the L3 wait watchdog abandon or report a request on purpose"),
     ):
@@ -96,6 +100,7 @@ SLOW_FIRST = (
     "e2e/test_burst_server.py",
     "e2e/test_images_server.py",
     "e2e/test_openai_client.py",
+    "e2e/test_scripted_decode_server.py",
     "e2e/test_sessions_server.py",
     "e2e/test_implicit_sessions_server.py",
     "e2e/test_mooncake_servers.py",

@@ -7,6 +7,8 @@ Suites:
             with every sglang-l3 patch applied
   gpu       GPU checks (CUDA or ROCm); skip cleanly without a GPU
   rdna3     RDNA3-only checks (gfx11xx); skip cleanly elsewhere
+  agents    real hermes-agent processes against a CPU server (`make test-agents`; long,
+            not part of cpu)
 
 cpu and fast run on two pytest-xdist workers (`--jobs`; 1 = one process, in
 order): a test file that shares servers or state is one group, run in file order
@@ -31,6 +33,7 @@ SUITES: dict[str, list[str]] = {
     "upstream": ["upstream"],
     "gpu": ["unit", "integration", "e2e", "gpu", "-m", "gpu"],
     "rdna3": ["unit", "gpu", "-m", "rdna3"],
+    "agents": ["agents", "-m", "agents"],
 }
 # suites run by two pytest-xdist workers unless --jobs 1 (GPU suites share the devices)
 PARALLEL = ("cpu", "fast")

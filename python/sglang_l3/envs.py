@@ -172,6 +172,14 @@ _VARS = (
         "them); for the cache-stack tests and benchmarks, never for a served model",
         "tests",
     ),
+    EnvVar(
+        "SGLANG_L3_SCRIPTED_DECODE",
+        "",
+        "PATH of a JSON script: with the CPU switch, the test server's sampled tokens follow the rule whose "
+        "marker its prompt contains (patch scripted-decode), and the model's log-probability of each forced "
+        "token is recorded; for tests, never for a served model",
+        "tests",
+    ),
 )
 
 VARS: dict[str, EnvVar] = {v.name: v for v in _VARS}

@@ -104,7 +104,10 @@ def image_start(text: str) -> int:
 
 
 def chat_text(user: str) -> str:
-    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    """One user turn and the generation prompt, rendered by the model's own chat
+    template (the one the real Qwen3.5 ships: it opens `<think>`)."""
+    msgs = [{"role": "user", "content": user}]
+    return tokenizer().apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
 
 # --------------------------------------------------------------------------- #

@@ -96,8 +96,9 @@ def test_tokenizer_and_processor_load_with_qwen_ids() -> None:
     ]
     two = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     one = tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
-    assert two.startswith(one), "an earlier turn must render identically later (prefix reuse)"
-    assert "<|vision_start|><|image_pad|><|vision_end|>" in one and one.endswith("<|im_start|>assistant\n")
+    assert "<|vision_start|><|image_pad|><|vision_end|>" in one and one.endswith("<|im_start|>assistant\n<think>\n")
+    # an earlier turn renders identically later, up to the generation prompt's `<think>`
+    assert two.startswith(one.removesuffix("<think>\n")), (one, two)
     proc = AutoProcessor.from_pretrained(str(mm))
     assert type(proc).__name__ == "Qwen3VLProcessor"
     assert proc.image_processor.merge_size == 2 and proc.image_processor.patch_size == 16
@@ -149,3 +150,46 @@ def test_tiny_qwen35_takes_the_27b_code_paths() -> None:
         assert tiny.conv_dim(tp) * tp == 2 * 2 * 32 + 6 * 32
     assert tiny.state_bytes(2) == 79_488 and tiny.kv_bytes_per_token(2) == 512  # the docs' table
     assert big.state_bytes(2) == 76_972_032 and big.kv_bytes_per_token(2) == 32_768
+
+
+def test_chat_template_is_the_real_qwen35_one() -> None:
+    """Both models carry the template the Qwen3.5 checkpoints ship (vendored, sha256
+    pinned), and it renders what the real model sees: thinking, XML tool calls,
+    tool results in a user turn, history thinking dropped before the last query."""
+    from transformers import AutoTokenizer
+
+    want = tiny_models.chat_template()
+    for name in ("tiny-qwen35", "tiny-qwen35-text"):
+        assert (MODELS_DIR / name / "chat_template.jinja").read_text() == want, name
+    tok = AutoTokenizer.from_pretrained(str(MODELS_DIR / "tiny-qwen35-text"))
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": {"path": "a.txt"}}}
+    msgs = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "", "reasoning_content": "r1", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "text"},
+    ]
+    live = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert live.startswith("<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n")
+    assert "</IMPORTANT>\n\nsys<|im_end|>\n" in live
+    assert (
+        "<|im_start|>assistant\n<think>\nr1\n</think>\n\n<tool_call>\n<function=read_file>\n"
+        "<parameter=path>\na.txt\n</parameter>\n</function>\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\ntext\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n"
+    ) in live
+    # after the next user query the same assistant turn loses its thinking (the real
+    # template's rule: what a prefix cache can reuse across turns)
+    later = tok.apply_chat_template(msgs + [{"role": "user", "content": "q2"}], tools=tools, tokenize=False)
+    assert "<|im_start|>assistant\n<tool_call>\n<function=read_file>" in later and "r1" not in later
+    ids = tok(live)["input_ids"]
+    for special in ("<tool_call>", "</tool_call>", "<think>", "<tool_response>"):
+        assert tok.convert_tokens_to_ids(special) in ids, special
+
+
+def test_a_changed_template_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "t.jinja"
+    fake.write_text(tiny_models.chat_template() + " ")
+    monkeypatch.setattr(tiny_models, "CHAT_TEMPLATE_FILE", fake)
+    with pytest.raises(RuntimeError, match="sha256"):
+        tiny_models.chat_template()

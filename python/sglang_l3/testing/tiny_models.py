@@ -1,6 +1,7 @@
 """Generate the packaged tiny Qwen3.5 models (python/sglang_l3/models/tiny-qwen35,
-tiny-qwen35-text): config, tokenizer with a Qwen-style chat template, and (for the
-multimodal one) the image and video processor configs.
+tiny-qwen35-text): config, tokenizer with Qwen3.5's chat template, and (for the
+multimodal one) the image and video processor configs. The chat template is the one the
+real Qwen3.5 checkpoints ship (`chat_template()`, vendored verbatim, Apache-2.0).
 
     python -m sglang_l3.testing.tiny_models           # (re)write the packaged files
     python -m sglang_l3.testing.tiny_models --check   # exit 1 when they differ from what this writes
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import hashlib
 import json
 import shutil
 import sys
@@ -85,57 +87,26 @@ PRETOKENIZE_REGEX = (
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
-# A Qwen-style ChatML template: system / user / assistant / tool turns, OpenAI
-# content parts (text, image, video), tools and tool calls. Every earlier turn
-# renders the same way at every later turn, so a conversation's prompt is a
-# prefix of the next turn's (what the prefix cache and L3 reuse).
-CHAT_TEMPLATE = r"""{%- macro render(content) -%}
-{%- if content is none -%}
-{%- elif content is string -%}{{ content }}
-{%- else -%}
-{%- for part in content -%}
-{%- if part.type == 'image' or part.type == 'image_url' or 'image' in part or 'image_url' in part -%}
-<|vision_start|><|image_pad|><|vision_end|>
-{%- elif part.type == 'video' or 'video' in part -%}
-<|vision_start|><|video_pad|><|vision_end|>
-{%- elif 'text' in part -%}{{ part.text }}
-{%- endif -%}
-{%- endfor -%}
-{%- endif -%}
-{%- endmacro -%}
-{%- if tools -%}
-{{- '<|im_start|>system\n' -}}
-{%- if messages[0].role == 'system' -%}{{- render(messages[0].content) + '\n\n' -}}{%- endif -%}
-{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
-{{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
-{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}
-{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within ' -}}
-{{- '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n' -}}
-{{- '</tool_call><|im_end|>\n' -}}
-{%- elif messages[0].role == 'system' -%}
-{{- '<|im_start|>system\n' + render(messages[0].content) + '<|im_end|>\n' -}}
-{%- endif -%}
-{%- for message in messages -%}
-{%- if message.role == 'user' or (message.role == 'system' and not loop.first) -%}
-{{- '<|im_start|>' + message.role + '\n' + render(message.content) + '<|im_end|>\n' -}}
-{%- elif message.role == 'assistant' -%}
-{{- '<|im_start|>assistant\n' + render(message.content) -}}
-{%- for call in message.tool_calls or [] -%}
-{%- set fn = call.function if call.function is defined else call -%}
-{%- if not loop.first or message.content -%}{{- '\n' -}}{%- endif -%}
-{{- '<tool_call>\n{"name": "' + fn.name + '", "arguments": ' -}}
-{%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}
-{{- '}\n</tool_call>' -}}
-{%- endfor -%}
-{{- '<|im_end|>\n' -}}
-{%- elif message.role == 'tool' -%}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
-{{- '\n<tool_response>\n' + render(message.content) + '\n</tool_response>' -}}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
-"""
+# The chat template the real Qwen3.5 checkpoints ship (Qwen/Qwen3.5-*
+# chat_template.jinja, Apache-2.0 like the models): thinking (`<think>` opened by the
+# generation prompt), Qwen3-Coder XML tool calls (`<tool_call><function=…><parameter=…>`),
+# tool results as `<tool_response>` in a user turn. Vendored verbatim: copied from
+# ikawrakow/ik_llama.cpp's models/templates/Qwen3.5-4B.jinja as of its commit
+# e0596bf6146a737f5e8fa8035215f5dfae59742d (#1376, taken from the Qwen3.5-4B
+# checkpoint); its sha256 is checked here so an edit cannot pass for the real one.
+CHAT_TEMPLATE_FILE = Path(__file__).resolve().parent / "templates" / "qwen3_5_chat_template.jinja"
+CHAT_TEMPLATE_SHA256 = "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715"
+
+
+def chat_template() -> str:
+    """The vendored Qwen3.5 template; a file whose sha256 differs is refused."""
+    data = CHAT_TEMPLATE_FILE.read_bytes()
+    got = hashlib.sha256(data).hexdigest()
+    if got != CHAT_TEMPLATE_SHA256:
+        raise RuntimeError(
+            f"{CHAT_TEMPLATE_FILE}: sha256 {got}, want {CHAT_TEMPLATE_SHA256} (the real Qwen3.5 template)"
+        )
+    return data.decode()
 
 
 def text_config(*, layers: int, key_heads: int, value_heads: int) -> dict[str, Any]:
@@ -261,7 +232,7 @@ def _tokenizer(license_text: str):
     hf.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in SPECIAL_TOKENS])
     hf.eos_token = "<|im_end|>"
     hf.pad_token = "<|endoftext|>"
-    hf.chat_template = CHAT_TEMPLATE
+    hf.chat_template = chat_template()
     for tok_str, want in TOKEN_ID.items():
         got = hf.convert_tokens_to_ids(tok_str)
         if got != want:
