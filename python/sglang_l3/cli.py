@@ -1,4 +1,4 @@
-"""`sglang-l3` command line: doctor | store … | patches."""
+"""`sglang-l3` command line: doctor | store … | sessions … | top | patches."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ import sys
 from typing import Optional
 
 # Subcommands contributed by subsystems: module with add_parser(subparsers) and run(args) -> int.
-SUBCOMMANDS = (("store", "sglang_l3.storage.cli"), ("sessions", "sglang_l3.storage.sessions_cli"))
+SUBCOMMANDS = (
+    ("store", "sglang_l3.storage.cli"),
+    ("sessions", "sglang_l3.storage.sessions_cli"),
+    ("top", "sglang_l3.top"),
+)
 
 
 def _doctor(args: argparse.Namespace) -> int:
