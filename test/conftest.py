@@ -97,12 +97,14 @@ SLOW_FIRST = (
     "e2e/test_images_server.py",
     "e2e/test_openai_client.py",
     "e2e/test_sessions_server.py",
+    "e2e/test_many_agents_server.py",
     "e2e/test_mooncake_servers.py",
     "e2e/test_idle_server.py",
     "e2e/test_l3_restore_server.py",
     "e2e/test_streamed_server.py",
     "e2e/test_startup_errors.py",
     "e2e/test_metrics_server.py",
+    "e2e/test_top_server.py",
     "e2e/test_bad_request.py",
 )
 _HERE = os.path.dirname(os.path.abspath(__file__))

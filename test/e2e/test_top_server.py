@@ -66,7 +66,7 @@ def test_top_live_in_a_terminal_and_once(tmp_path, hash_extension_built) -> None
         prefetch_threshold=PREFETCH_THRESHOLD,
         page_size=PAGE_SIZE,
         storage_extra_config={"max_bytes": CAP, "min_free_bytes": 0},
-        extra_args=["--enable-metrics", "--hicache-size", "1"],  # GB: no auto-sizing on a busy host
+        extra_args=["--enable-metrics"],
     )
     sock = f"sglang-l3-top-{os.getpid()}"
     tmux = ["tmux", "-L", sock]
