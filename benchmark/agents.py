@@ -209,7 +209,7 @@ def return_run(args: argparse.Namespace, work: Path) -> bool:
     )
     pool = wl.pool()
     cfg = many_agents.l3_config(
-        wl, work / "return", model=RETURN_MODEL, host_ratio=PAGE / pool, cap_bytes=0, device=args.device
+        wl, work / "return", model=RETURN_MODEL, host_ratio=0.01, cap_bytes=0, device=args.device
     )
     with Server(cfg, work / "return.log", startup_timeout=900) as s:
         host = many_agents.host_tokens(s)
