@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -213,6 +214,14 @@ def render(d: dict[str, Any], width: int = 120) -> str:
     return "\n".join(out)
 
 
+def _columns() -> int:
+    """The terminal's width now (not $COLUMNS: a parent's value goes stale on a resize)."""
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns
+    except OSError:
+        return 120
+
+
 def _num(x: Any) -> str:
     return "-" if x is None else str(x)
 
@@ -228,12 +237,10 @@ def run(args: argparse.Namespace) -> int:
             d = frame_data(args.url, prev, sample(args.url))
             print(json.dumps(d, indent=1) if args.json else render(d))
             return 0
-        import shutil
-
         cur = prev  # the first frame has no rates yet
         while True:
             d = frame_data(args.url, prev, cur)
-            sys.stdout.write(CLEAR + render(d, shutil.get_terminal_size().columns) + "\n")
+            sys.stdout.write(CLEAR + render(d, _columns()) + "\n")
             sys.stdout.flush()
             time.sleep(args.interval)
             prev, cur = cur, sample(args.url)

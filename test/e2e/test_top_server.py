@@ -101,7 +101,11 @@ def test_top_live_in_a_terminal_and_once(tmp_path, hash_extension_built) -> None
                     [*tmux, "capture-pane", "-p", "-t", "top"], capture_output=True, text=True, check=True
                 ).stdout
 
-            shown = _until(lambda: (lambda t: t if _row(t, "coder") else "")(screen()), "no coder row on the screen")
+            # a frame after the first has the rates (the first has no interval yet)
+            shown = _until(
+                lambda: (lambda t: t if _row(t, "coder") and "restores/s" in t else "")(screen()),
+                "no coder row and rates on the screen",
+            )
             planner = _row(shown, "planner")
             # SESSION STATE TURNS CONTEXT ... LAST SOURCE: two turns, the last one's prefix from L3
             assert planner[2] == "2", shown
