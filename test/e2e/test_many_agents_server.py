@@ -22,9 +22,9 @@ from sglang_l3.testing.server import Server
 
 pytestmark = [pytest.mark.e2e, family_params("qwen35")]
 
-WL = many_agents.Workload(agents=16, rounds=3, context=256, message=16, new=4, seed=0)
+WL = many_agents.Workload(agents=16, rounds=3, context=352, message=16, new=4, seed=0)
 HOST_RATIO = 0.01  # the host buffer upstream makes of it: one page (ratio x pool + one page, whole pages)
-CAP = 32 * 2**20  # the store's byte cap; the agents' pages take about a third of it (10 MiB)
+CAP = 32 * 2**20  # the store's byte cap; the agents' pages take about a third of it (about 11 MiB)
 
 
 @reference_scenario(families=("qwen35",))
@@ -56,6 +56,7 @@ def test_sixteen_plain_agents_return_from_l3(tmp_path, cluster, reference):
         for g, w in zip(got, want):
             what = f"round {g.round + 1} agent {g.agent}"
             assert g.ids == w.ids, what
+            assert len(w.gen.output_ids) == WL.new, (what, w.gen.meta)  # a real answer to compare
             assert_same_output(g.gen, w.gen, "cpu", what)
             if g.round == 0:
                 assert g.gen.cached_tokens == 0, (what, g.gen.meta)
