@@ -6,8 +6,8 @@ longest turn and the host buffer one page, so the agents' contexts together are
 more than 10x what device and host hold; 3 rounds, later ones in a seeded
 shuffled order. Every answer (tokens, logprobs) equals the no-cache server's,
 every returning agent's context comes back from L3 (the server's own
-cached_tokens_details: nothing from the device, every stored page of its last
-prompt from storage), the store stays within its byte cap, and afterwards no
+cached_tokens_details: nothing from the device, its last prompt from storage
+up to the last chunk boundary, where the Mamba state was checkpointed), the store stays within its byte cap, and afterwards no
 device KV token is held outside the free list and the tree (GET /v1/loads) and
 upstream's strict idle leak check (KV, Mamba, request slots) never fired.
 """
@@ -61,10 +61,11 @@ def test_sixteen_plain_agents_return_from_l3(tmp_path, cluster, reference):
             if g.round == 0:
                 assert g.gen.cached_tokens == 0, (what, g.gen.meta)
                 continue
-            # 15 other agents spoke since: nothing of this one is left on the device;
-            # every full page of its previous prompt comes back from L3
+            # 15 other agents spoke since: nothing of this one is left on the device; its
+            # previous prompt comes back from L3 up to its last Mamba checkpoint, which a
+            # chunked prefill (256) leaves at a chunk boundary (368 tokens -> 256 restored)
             assert g.gen.cached_device == 0 and g.gen.cached_host == 0, (what, g.gen.source)
-            assert g.gen.cached_storage >= g.previous // 64 * 64, (what, g.previous, g.gen.source)
+            assert g.gen.cached_storage >= g.previous // 256 * 256 > 0, (what, g.previous, g.gen.source)
         assert s.alive(), "server died (upstream's strict idle leak check?)"
         assert many_agents.pool_in_use(s) == 0, "device KV held outside the free list and the tree"
         used = many_agents.store_bytes(store)
