@@ -25,6 +25,16 @@ Runs:
   lru       the same with retention disabled (SGLANG_L3_DISABLE=sessions):
             upstream's plain LRU
 
+  return    (--agents >= 8, issue 32) a plain client - no session_id, no hints -
+            on tiny Qwen3.5: a device pool that holds one agent's longest turn
+            and a one-page host buffer, so the contexts together are many
+            times what device and host hold; beside it a no-cache server that
+            recomputes every turn (/flush_cache first). Prints the median TTFT
+            of a returning agent from L3 beside recomputing it, and checks
+            every answer against the recompute (sglang_l3.testing.many_agents).
+            With --agents >= 8 the session runs above are skipped unless
+            --skip names others (e.g. --skip return).
+
 --plain (issue 31): the same agents as real clients send them - no
 session_id, no hints - with gaps that vary by turn (after each turn the
 framework waits --think x a seeded log-uniform factor in [0.2, 5], a tool
@@ -46,6 +56,7 @@ R = median TTFT hinted / cold and H = cached tokens (L3 + device) of turns
 >= 2, retained / lru (targets R <= 0.5, H >= 1.5).
 
     nice -n 10 .venv/bin/python benchmark/agents.py [--agents 4] [--turns 3] [--context 3072]
+    nice -n 10 .venv/bin/python benchmark/agents.py --agents 16 [--context 3072]
 """
 
 from __future__ import annotations
@@ -65,6 +76,7 @@ from pathlib import Path
 
 os.environ.setdefault("SGLANG_L3_PUBLISH_STATS", "0")  # a benchmark server is not a server to report in doctor --stats
 
+from sglang_l3.testing import many_agents
 from sglang_l3.testing.server import (
     Server,
     ServerConfig,
@@ -250,6 +262,55 @@ def plain_runs(args: argparse.Namespace, pool: int, work: Path) -> int:
     return 0
 
 
+MANY = 8  # --agents from which the plain `return` run replaces the session runs by default
+RETURN_MODEL = "tiny-qwen35"
+
+
+def return_run(args: argparse.Namespace, work: Path) -> bool:
+    """A returning agent from L3 vs recomputing it, plain client (module docstring,
+    run `return`). True when every answer equals the recompute's."""
+    wl = many_agents.Workload(
+        agents=args.agents, rounds=args.turns, context=args.context, message=args.message, new=args.new, seed=args.seed
+    )
+    pool = wl.pool()
+    cfg = many_agents.l3_config(
+        wl, work / "return", model=RETURN_MODEL, host_ratio=0.01, cap_bytes=0, device=args.device
+    )
+    with Server(cfg, work / "return.log", startup_timeout=900) as s:
+        host = many_agents.host_tokens(s)
+        l3 = many_agents.run(s, wl)
+        leaked = many_agents.pool_in_use(s)
+    ref_cfg = ServerConfig(
+        model=RETURN_MODEL,
+        storage_dir=None,
+        device=args.device,
+        max_total_tokens=pool,
+        chunked_prefill_size=256,
+        page_size=PAGE,
+    )
+    with Server(ref_cfg, work / "recompute.log", startup_timeout=900) as r:
+        ref = many_agents.run(r, wl, flush_each=True)
+    back = [t for t in l3 if t.round >= 1]
+    same = sum(a.gen.output_ids == b.gen.output_ids and a.gen.logprobs == b.gen.logprobs for a, b in zip(l3, ref))
+    from_l3 = sum(t.gen.cached_storage for t in back)
+    on_device = sum(t.gen.cached_device for t in back)
+    t_l3, t_ref = many_agents.median_ttft(l3), many_agents.median_ttft(ref)
+    print(
+        f"return run ({RETURN_MODEL}, plain client): {wl.agents} agents x {wl.rounds} rounds, final context "
+        f"{wl.final_prompt + wl.new} tokens; device pool {pool} + host {host} tokens: the contexts are "
+        f"{wl.oversubscription(pool, host):.1f}x what device and host hold; store {many_agents.store_bytes(work / 'return') / 2**20:.1f} MiB"
+    )
+    print(
+        f"returning turns {len(back)}: tokens from L3 {from_l3}, from the device {on_device}; "
+        f"answers equal to the recompute {same}/{len(l3)}; device KV held after the run {leaked}"
+    )
+    print(
+        f"agent back from L3: median TTFT {t_l3 * 1e3:.1f} ms; recomputed: {t_ref * 1e3:.1f} ms; "
+        f"return_vs_recompute={t_l3 / t_ref:.2f}"
+    )
+    return same == len(l3) and leaked == 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--agents", type=int, default=4)
@@ -268,7 +329,12 @@ def main() -> int:
     ap.add_argument("--cap", type=float, default=1.25, help="byte cap of the capped runs, x the agents' contexts in L3")
     ap.add_argument("--seed", type=int, default=0, help="speaking order of rounds >= 2")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--skip", default="", help="comma list of runs to skip: cold,hinted,device,capped")
+    ap.add_argument(
+        "--skip",
+        default=None,
+        help="comma list of runs to skip: cold,hinted,device,capped,return "
+        f"(default: return below --agents {MANY}, the session runs from it)",
+    )
     ap.add_argument("--verbose", action="store_true", help="print every turn (TTFT, where the prefix came from)")
     ap.add_argument(
         "--plain",
@@ -285,6 +351,8 @@ def main() -> int:
     if final + args.new >= MODEL_CONTEXT:
         ap.error(f"the last turn ({final} tokens + answer) exceeds the tiny model's context length {MODEL_CONTEXT}")
     args.noise = args.noise if args.noise is not None else args.context // 2
+    if args.skip is None:
+        args.skip = "return" if args.agents < MANY else "cold,hinted,device,capped"
     skip = set(filter(None, args.skip.split(",")))
     warm_hicache_hash_extension()
     work = Path(tempfile.mkdtemp(prefix="sglang-l3-agents-"))
@@ -297,6 +365,9 @@ def main() -> int:
     runs: dict[str, Run] = {}
     if args.plain:
         return plain_runs(args, pool, work)
+    ok = True
+    if "return" not in skip:
+        ok = return_run(args, work)
     if "cold" not in skip or "capped" not in skip:
         runs["cold"] = agents_run(args, "cold", work / "cold", pool=pool, log_dir=work)
     if "hinted" not in skip:
@@ -325,6 +396,8 @@ def main() -> int:
             f"capped runs: agents' contexts {contexts / 2**20:.2f} MiB in L3, byte cap {cap / 2**20:.2f} MiB "
             f"({args.cap}x), noise {args.noise} tokens after every turn ({noise_total} tokens in all)"
         )
+    if not runs:
+        return 0 if ok else 1
     print_table(runs)
     if {"hinted", "device"} <= runs.keys():
         print(f"hinted_vs_device={runs['hinted'].median_ttft / runs['device'].median_ttft:.2f}")
@@ -335,7 +408,7 @@ def main() -> int:
         else float("nan")
     )
     print(f"hint_ttft_vs_cold={ratio:.2f} retained_hit_vs_lru={hit:.2f}")
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

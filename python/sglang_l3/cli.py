@@ -1,4 +1,4 @@
-"""`sglang-l3` command line: doctor | store … | sessions … | plan | patches."""
+"""`sglang-l3` command line: doctor | store … | sessions … | plan | top | patches."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ SUBCOMMANDS = (
     ("store", "sglang_l3.storage.cli"),
     ("sessions", "sglang_l3.storage.sessions_cli"),
     ("plan", "sglang_l3.plan.cli"),
+    ("top", "sglang_l3.top"),
 )
 
 

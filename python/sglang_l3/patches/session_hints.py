@@ -9,12 +9,15 @@ the HTTP server process (sglang_l3/session_hints.py does the work):
   it builds the tokenizer manager):
     POST /sglang_l3/prefetch           {"session_id": ..., "input_ids": [...]}
     GET  /sglang_l3/prefetch/{hint_id} staging | landed | failed | deferred_device_full
-    GET  /sglang_l3/sessions           the store's session table + hint counts
+    GET  /sglang_l3/sessions           the store's session table + hint counts, each
+                                       session's turns seen here, the store's bytes
+                                       against its cap (read-only; `sglang-l3 top`)
     DELETE /sglang_l3/sessions/{id}    drop a session (every rank's registry)
 - AROUND `TokenizerManager.generate_request`: a request that extends an
   in-flight hint's context (or names its session) waits for the hint to land;
   a finished request with a top-level session_id records its context so a hint
-  can name just the session.
+  can name just the session, and its turn's timing and prefix source
+  (sglang_l3/session_activity.py).
 
 A hint is an ordinary prefill-only request, so upstream's own storage prefetch
 and load-back stage it, on every TP rank alike.
@@ -24,7 +27,9 @@ and load-back stage it, on every TP rank alike.
 # annotations (Request) at runtime, from this module's globals.
 import json
 import logging
+import os
 import sys
+import time
 from typing import Any
 
 from sglang_l3.patches.framework import PatchContext
@@ -42,7 +47,7 @@ def _tm() -> Any:
     return getattr(state, "tokenizer_manager", None)
 
 
-def store_root(tm: Any) -> str | None:
+def _store_settings(tm: Any) -> Any:
     from sglang_l3.live_config import value
     from sglang_l3.storage.config import StoreSettings
 
@@ -52,9 +57,29 @@ def store_root(tm: Any) -> str | None:
     raw = value(tm, "hicache_storage_backend_extra_config")
     try:
         extra = json.loads(raw) if isinstance(raw, str) and raw else (raw or {})
-        return str(StoreSettings.resolve(extra).root)
+        return StoreSettings.resolve(extra)
     except Exception:  # noqa: BLE001 - the store itself reports bad settings at start-up
         return None
+
+
+def store_root(tm: Any) -> str | None:
+    settings = _store_settings(tm)
+    return None if settings is None else str(settings.root)
+
+
+def _pages_bytes(root: str) -> int:
+    """Bytes of the store's page files (every model, every rank): its use against the cap."""
+    total = 0
+    try:
+        with os.scandir(os.path.join(root, "pages")) as it:
+            for e in it:
+                try:
+                    total += e.stat(follow_symlinks=False).st_size
+                except OSError:  # evicted meanwhile
+                    pass
+    except OSError:
+        return 0
+    return total
 
 
 def add_routes(app: Any) -> None:
@@ -95,18 +120,30 @@ def add_routes(app: Any) -> None:
     async def sessions() -> JSONResponse:
         from sglang_l3.storage.sessions import session_rows
 
+        from sglang_l3.session_activity import ACTIVITY
+
         tm = _tm()
-        root = store_root(tm) if tm is not None else None
+        settings = _store_settings(tm) if tm is not None else None
+        root = None if settings is None else str(settings.root)
         rows = [] if root is None else [{k: v for k, v in r.items() if k != "keys"} for r in session_rows(root)]
         states: dict[str, int] = {}
+        staging: list[str] = []
         for h in BOOK.hints.values():
             states[h.state] = states.get(h.state, 0) + 1
+            if h.state == "staging" and h.session_id is not None:
+                staging.append(h.session_id)
         return JSONResponse(
             {
                 "store": root,
                 "sessions": rows,
                 "hints": states,
                 "remembered_contexts": len(BOOK.contexts),
+                # `sglang-l3 top`: per-session turns seen here, hints in flight, the store against its cap
+                "activity": ACTIVITY.rows(),
+                "staging": sorted(set(staging)),
+                "store_bytes": None if root is None else _pages_bytes(root),
+                "store_cap_bytes": None if settings is None else int(settings.max_bytes),
+                "page_size": getattr(getattr(tm, "server_args", None), "page_size", None),
             }
         )
 
@@ -114,6 +151,7 @@ def add_routes(app: Any) -> None:
         from sglang.srt.managers.io_struct import CloseSessionReqInput
 
         from sglang_l3.patches.sessions import DROP_MARK
+        from sglang_l3.session_activity import ACTIVITY
         from sglang_l3.storage.sessions import valid_session_id
         from sglang_l3.storage.sessions import session_rows
 
@@ -134,6 +172,7 @@ def add_routes(app: Any) -> None:
         # to every scheduler rank as upstream's close message (patch `sessions` turns it into a drop)
         await tm.close_session(CloseSessionReqInput(session_id=DROP_MARK + session_id))
         BOOK.forget(session_id)
+        ACTIVITY.forget(session_id)
         metrics.inc("session_drops")
         return JSONResponse({"dropped": session_id})
 
@@ -153,7 +192,16 @@ def _after_init(result: Any, tm: Any, *args: Any, **kwargs: Any) -> None:
     return
 
 
+def _context_tokens(out: Any) -> int:
+    """Input + output tokens of a finished request (upstream's meta_info)."""
+    meta = out.get("meta_info") if isinstance(out, dict) else None
+    if not isinstance(meta, dict):
+        return 0
+    return int(meta.get("prompt_tokens") or 0) + int(meta.get("completion_tokens") or 0)
+
+
 def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *args: Any, **kwargs: Any) -> Any:
+    from sglang_l3.session_activity import ACTIVITY
     from sglang_l3.session_hints import BOOK, prediction, request_ids_and_session
 
     ids, sid, is_hint = request_ids_and_session(obj)
@@ -166,13 +214,21 @@ def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *ar
         if predicted:
             prediction().arrived(tm, top_sid)
         last = None
+        # what `sglang-l3 top` shows per session (session_activity)
+        watched = None if is_hint or not isinstance(top_sid, str) else top_sid
+        t0 = ACTIVITY.started(watched) if watched is not None else 0.0
+        first_at: float | None = None
         try:
             async for out in original(tm, obj, request, *args, **kwargs):
+                if first_at is None:
+                    first_at = time.monotonic()
                 last = out
                 yield out
         finally:
             if predicted:
                 prediction().answered(top_sid)
+            if watched is not None:
+                ACTIVITY.finished(watched, t0, first_at, _context_tokens(last), last)
         if ids is not None and isinstance(top_sid, str) and isinstance(last, dict):
             out_ids = last.get("output_ids")
             if isinstance(out_ids, list):
