@@ -312,6 +312,17 @@ def installed() -> bool:
     return _DEV is not None
 
 
+def set_p_complete(p: float) -> float:
+    """Set the chance that a poll completes a pending event (lower: acks lag more polls,
+    as on a loaded GPU); returns the previous one."""
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"sim_streams: p_complete must be in (0, 1], got {p!r}")
+    d = _dev()
+    with d.lock:
+        prev, d.p_complete = d.p_complete, p
+    return prev
+
+
 def stats() -> dict[str, int]:
     d = _dev()
     return {"seed": d.seed, "polls": d.polls, "lagged": d.lagged}

@@ -639,6 +639,18 @@ def apply(ctx: PatchContext) -> None:
                 return orig(self, op, info, hit_tokens, aux)
             self.release_anchor_lock(op.handle)  # parked ops hold no pin; ours is separate
             return False
+        if s.op is not op and s.state != "staged":
+            # A new op for this request (a re-query after a failed final round) while the
+            # old stream still ends: its copies in flight hold host slots and rows until
+            # they complete (when is up to the device). Park the new op until the old
+            # stream is gone, then start afresh: never let upstream judge a hit only a
+            # stream can take (it declines it for good).
+            if self._cache.cache_controller.can_fit_prefetch_host_buffers(op, hit_tokens):
+                return orig(self, op, info, hit_tokens, aux_hit_tokens)
+            if s.state != "aborting":
+                _abort(self, s, "aborted")  # what the next tick would find: its op is gone
+            self.release_anchor_lock(op.handle)
+            return False
         if s.op is not op or s.state not in ("reading", "cutting", "ready"):
             return orig(self, op, info, hit_tokens, aux_hit_tokens)
         if s.state in ("reading", "cutting"):
