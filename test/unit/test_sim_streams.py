@@ -219,7 +219,7 @@ def test_simulated_device_starts_fresh_over_one_applied_at_startup(monkeypatch) 
     framework.apply_one(next(s for s in framework.load_series() if s.id == PATCH_ID))
     assert sim.stats()["seed"] == 3
     with simulated_device(4):
-        assert sim.stats() == {"seed": 4, "polls": 0, "lagged": 0}
+        assert sim.stats() == {"seed": 4, "polls": 0, "lagged": 0, "device_reads": 0}
     assert not sim.installed()
 
 
