@@ -26,14 +26,23 @@ the same store, each --repeat restores of B long:
 Gaps are measured from B's prefetch start until B is staged (the streaming rounds);
 B is then admitted and checked bit-exact, outside every timed gap (the harness's
 admission and its checks never fall in a gap: issue 34). Printed per run: gap p50/p99/max, the
-number of ticks, and the longest time the scheduler thread spent inside
-`_copy_to_device` in one tick. The last line is exactly
+number of ticks, the longest time the scheduler thread spent issuing piece copies
+(`_copy_to_device`) in one tick, wall and CPU, and the device->host index reads the
+simulated device counted (async run only; each waits for the device, as a `.cpu()` of
+device indices does on a GPU). The last line is exactly
 
-  stall_p99_ms=A stall_max_ms=B piece_copy_on_scheduler_ms=C
+  gap_p99_ms=G gap_p99_no_restore_ms=N gap_p99_sync_ms=S stall_p99_ms=A stall_max_ms=B copy_issue_max_ms=C device_index_reads=D
 
-for the async-device run: A and B = its gap p99 and max minus the no-restore run's
-median gap (the extra wait a decoding request sees), C = the longest time the
-scheduler thread spent inside our copy in one tick. Not a test: numbers only.
+for the async-device run: G its gap p99, beside the no-restore run's (N) and the
+synchronous path's (S); A and B = its gap p99 and max minus the no-restore run's median
+gap (the extra wait a decoding request sees); C = the longest wall time the scheduler
+thread spent issuing piece copies in one tick (on the simulated device: queueing, index
+snapshots, and any device->host index read's wait; not the copy itself, which runs on
+the device thread); D = device->host index reads during the run (upstream's load-back
+at admission reads its own; none per piece since issue 33).
+`--read-device-indices` hands each piece copy R's device indices instead of their host
+copy (issue 33's fix reverted: a device sync per piece), to show what that costs.
+Not a test: numbers only.
 
 Example: nice -n 10 python benchmark/stall_bench.py --context 65536 --buffer 0.25
 """
@@ -64,8 +73,9 @@ A_CONTEXT = 512  # request A's prefix (resident), it decodes after that
 class Run:
     name: str
     gaps: list[float] = field(default_factory=list)  # seconds, while B streams
-    copy_in_tick: list[float] = field(default_factory=list)  # wall seconds inside _copy_to_device per tick
+    copy_in_tick: list[float] = field(default_factory=list)  # wall seconds issuing piece copies per tick
     copy_cpu_in_tick: list[float] = field(default_factory=list)  # the scheduler thread's CPU seconds in it
+    device_reads: int = 0  # device->host index reads the simulated device counted (async run)
     exact: bool = True
     pieces: int = 0
 
@@ -115,6 +125,7 @@ def run(
     name: str, spec: Any, store: str, seq: list[int], buffer_tokens: int, args: Any, *, restore: bool, device: str
 ) -> Run:
     import sglang_l3.patches.streamed_restore as sr
+    from sglang_l3.cpu import sim_streams
     from sglang_l3.testing.sim import simulated_device
     from sglang_l3.testing.stack import L3Stack
 
@@ -122,10 +133,10 @@ def run(
     copy = sr._copy_to_device
     tick_copy = [0.0, 0.0]
 
-    def timed_copy(cc: Any, host: Any, rows: Any) -> Any:
+    def timed_copy(cc: Any, host: Any, rows: Any, rows_host: Any) -> Any:
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            return copy(cc, host, rows)
+            return copy(cc, host, rows, None if args.read_device_indices else rows_host)
         finally:
             tick_copy[0] += time.perf_counter() - t0
             tick_copy[1] += time.thread_time() - c0
@@ -145,6 +156,8 @@ def run(
             for r in range(args.repeat):
                 _one(st, dec, seq, out, tick_copy, restore=restore, steps=args.steps, rid=f"B{r}")
             dec.close()
+            if sim is not None:
+                out.device_reads = sim_streams.stats()["device_reads"]
             del st
     finally:
         sr._copy_to_device = copy
@@ -198,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="restores of B per run")
     ap.add_argument("--seed", type=int, default=1, help="simulated device seed")
     ap.add_argument("--dir", default=None, help="store directory (default: a temp dir, removed)")
+    ap.add_argument(
+        "--read-device-indices",
+        action="store_true",
+        help="negative control: piece copies read R's device indices to host (issue 33's fix reverted)",
+    )
     args = ap.parse_args(argv)
 
     warnings.filterwarnings("ignore")
@@ -245,22 +263,25 @@ def main(argv: list[str] | None = None) -> int:
         f"# {m.name} one TP=2 rank: B = {args.context} tokens in L3, host buffer {buffer_tokens} tokens "
         f"(pieces of ~{piece} tokens, {piece * m.kv_bytes_per_token() / 2**20:.0f} MiB), A decodes with "
         f"~{args.decode_ms:g} ms of forward work per token; {args.repeat} restores per run; torch threads 1"
+        + ("; piece copies read device indices (--read-device-indices)" if args.read_device_indices else "")
     )
     print(
         f"{'run':24s} {'ticks':>6s} {'gap_p50_ms':>10s} {'gap_p99_ms':>10s} {'gap_max_ms':>10s} "
-        f"{'copy_on_sched_max_ms':>20s} {'copy_cpu_max_ms':>15s} {'pieces':>6s} {'exact':>5s}"
+        f"{'copy_issue_max_ms':>17s} {'copy_cpu_max_ms':>15s} {'pieces':>6s} {'d2h_reads':>9s} {'exact':>5s}"
     )
     for r in runs:
         print(
             f"{r.name:24s} {len(r.gaps):6d} {1e3 * statistics.median(r.gaps):10.1f} {1e3 * r.pct(0.99):10.1f} "
-            f"{1e3 * max(r.gaps):10.1f} {1e3 * max(r.copy_in_tick, default=0.0):20.2f} "
-            f"{1e3 * max(r.copy_cpu_in_tick, default=0.0):15.2f} {r.pieces:6d} {str(r.exact):>5s}"
+            f"{1e3 * max(r.gaps):10.1f} {1e3 * max(r.copy_in_tick, default=0.0):17.2f} "
+            f"{1e3 * max(r.copy_cpu_in_tick, default=0.0):15.2f} {r.pieces:6d} {r.device_reads:9d} {str(r.exact):>5s}"
         )
     base = statistics.median(runs[0].gaps)
     a = runs[2]
     print(
+        f"gap_p99_ms={1e3 * a.pct(0.99):.1f} gap_p99_no_restore_ms={1e3 * runs[0].pct(0.99):.1f} "
+        f"gap_p99_sync_ms={1e3 * runs[1].pct(0.99):.1f} "
         f"stall_p99_ms={1e3 * (a.pct(0.99) - base):.1f} stall_max_ms={1e3 * (max(a.gaps) - base):.1f} "
-        f"piece_copy_on_scheduler_ms={1e3 * max(a.copy_in_tick, default=0.0):.2f}"
+        f"copy_issue_max_ms={1e3 * max(a.copy_in_tick, default=0.0):.2f} device_index_reads={a.device_reads}"
     )
     return 0 if all(r.exact for r in runs) else 1
 

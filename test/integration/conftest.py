@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_l3.patches import framework
-from sglang_l3.testing.sim import SEEDS, simulated_device
+from sglang_l3.testing.sim import seeds, simulated_device
 
 
 @pytest.fixture
@@ -22,8 +22,12 @@ def without(request):
 
 # Every test of these files moves data through HiCache: it runs on the simulated
 # asynchronous device (sglang_l3.testing.sim), under the first seed; the tests (or
-# parameter sets) marked `all_seeds` run under every seed.
+# parameter sets) marked `all_seeds` run under every seed. Started with
+# SGLANG_L3_SIM_STREAMS=N, every test of them runs under seed N only.
+SEEDS = seeds()
 SIM_FILES = {
+    "test_damage_fallback.py",
+    "test_eager_page_hash.py",
     "test_l3_restore.py",
     "test_mooncake_restore.py",
     "test_reanchor.py",
@@ -33,9 +37,11 @@ SIM_FILES = {
     "test_store_restore.py",
     "test_streamed_restore.py",
     "test_streamed_restore_async.py",
+    "test_streamed_restore_burst.py",
     "test_streamed_restore_evict.py",
     "test_streamed_restore_short.py",
     "test_streamed_write.py",
+    "test_streamed_write_parent.py",
     "test_write_path.py",
 }
 

@@ -26,6 +26,11 @@ final round (the last piece, turn 2's state) is upstream's read, re-queried
 Negative controls: without `damage-refetch`, and with the stream's cut disabled,
 a flip restores 0 (the behaviour the issue measured). And a page *before* the first
 checkpoint restores 0: no checkpoint below it exists.
+
+On the simulated device (`test/integration/conftest.py` SIM_FILES). Damage in the final
+round with acks lagging (issue 33 item 7): the re-queried hit arrives while the aborted
+stream's last copies are still in flight, holding host slots and rows; it must wait for
+them, not be declined (it restored 0 under some seeds before).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import os
 
 import pytest
 from sglang_l3 import metrics
+from sglang_l3.cpu import sim_streams
 from sglang_l3.patches import streamed_restore as sr
 from sglang_l3.patches.streamed_restore import lane_of
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
@@ -214,6 +220,7 @@ STREAMED_CASES = [
 ]
 
 
+@pytest.mark.all_seeds()
 @pytest.mark.parametrize("pool,page,mode,path", STREAMED_CASES, ids=[f"{p}{i}-{m}" for p, i, m, _ in STREAMED_CASES])
 def test_streamed_damage_restores_up_to_the_checkpoint_below(tmp_path, pool, page, mode, path) -> None:
     core = "rust" if mode != "flip" or pool != "kv" or page != 20 else "python"
@@ -225,6 +232,27 @@ def test_streamed_damage_restores_up_to_the_checkpoint_below(tmp_path, pool, pag
     assert (d.get("l3_stream_restore{cut_storage_error}") == 1) == (path == "cut"), d
     assert (d.get("l3_restore_refetch{damage}") == 1) == (path == "refetch"), d
     assert not d.get("l3_stream_restore{storage_error}"), d
+
+
+@pytest.fixture
+def lagging_acks():
+    """Polls complete a pending copy rarely (a loaded GPU): an aborted stream's copies
+    are still in flight when its request's re-queried hit arrives."""
+    prev = sim_streams.set_p_complete(0.02)
+    yield
+    sim_streams.set_p_complete(prev)
+
+
+REFETCH_CASES = [(p, i) for p, i, _, path in STREAMED_CASES if path == "refetch"]
+
+
+@pytest.mark.all_seeds()
+@pytest.mark.parametrize("pool,page", REFETCH_CASES, ids=[f"{p}{i}" for p, i in REFETCH_CASES])
+def test_final_round_damage_with_lagging_acks(tmp_path, lagging_acks, pool, page) -> None:
+    restored, d = _restore_after_damage(tmp_path, "rust", STREAMED, pool, page, "flip")
+    assert restored == STREAMED[1], d
+    assert d.get("l3_restore_refetch{damage}") == 1, d
+    assert d.get("l3_stream_restore{restored}") == 1, d
 
 
 @pytest.mark.parametrize("core", TREE_CORES)

@@ -337,9 +337,9 @@ def test_decisions_do_not_depend_on_store_timing(tmp_path, monkeypatch) -> None:
             time.sleep(delay)
             return read(cc, op, keys, host, prefix)
 
-        def traced_copy(cc, host, rows):
+        def traced_copy(cc, host, rows, rows_host):
             lands.append((int(rows[0]) if len(rows) else -1, len(rows)))
-            return copy(cc, host, rows)
+            return copy(cc, host, rows, rows_host)
 
         monkeypatch.setattr(sr, "_read_piece", slow_read)
         monkeypatch.setattr(sr, "_copy_to_device", traced_copy)

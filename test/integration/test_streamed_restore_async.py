@@ -62,8 +62,8 @@ def test_the_scheduler_moves_on_while_a_piece_copy_is_queued(tmp_path, monkeypat
     issued: list = []
     copy, free_piece = sr._copy_to_device, sr._free_piece
 
-    def traced_copy(cc, host, rows):
-        ev = copy(cc, host, rows)
+    def traced_copy(cc, host, rows, rows_host):
+        ev = copy(cc, host, rows, rows_host)
         issued.append(ev)
         return ev
 
@@ -133,3 +133,35 @@ def test_aborted_rows_return_only_after_their_copies(tmp_path, monkeypatch) -> N
         monkeypatch.setattr(allocator, "free", free)
         assert not early, "rows R returned to the allocator while a copy into them was queued"
         back_to_baseline(st)
+
+
+def test_no_piece_copy_reads_device_indices(tmp_path, monkeypatch) -> None:
+    """Issue 33 item 2: on io backend `direct` (the stack's, as `cli-buffer-only` sets on
+    ROCm) upstream's `move_indices` reads the device indices to host, a device sync on the
+    scheduler thread. A piece copy hands R's host copy, taken once at the stream's start:
+    the simulated device counts no device->host read in any piece copy."""
+    spec = make_spec(64, 8 * (256 + 64))
+    seq = context(spec, 8)
+    (want,) = write(spec, tmp_path, "rust", [seq])
+    reads: list[int] = []
+    copy = sr._copy_to_device
+
+    def counted_copy(cc, host, rows, rows_host):
+        before = sim_streams.stats()["device_reads"]
+        ev = copy(cc, host, rows, rows_host)
+        reads.append(sim_streams.stats()["device_reads"] - before)
+        return ev
+
+    monkeypatch.setattr(sr, "_copy_to_device", counted_copy)
+    with reader(spec, tmp_path, "rust") as st:
+        assert st.cache.cache_controller.io_backend == "direct"
+        st.scribble()
+        h = st.start_prefetch(seq, "r")
+        bp = st.cache.buffer_pipeline
+        pump(st, lambda: st.cache.check_prefetch_progress(h) and bp.has_staged(h), "the stream to stage")
+        assert st.cache.pop_prefetch_loaded_tokens(h) == len(seq)
+        req, loaded = st.admit(h, seq, "r")
+        st.check_restored(seq, req, loaded, want, kv=True)
+        back_to_baseline(st, req)
+    assert len(reads) >= 2, "the restore was not streamed in pieces"
+    assert reads == [0] * len(reads), f"device->host index reads per piece copy: {reads}"

@@ -112,6 +112,7 @@ def _burst(tmp_path, core: str, n: int, shared: bool, after_pass=None, passes: i
     return got, delta
 
 
+@pytest.mark.all_seeds(core=("rust",), n=(2,))
 @pytest.mark.parametrize("core", TREE_CORES)
 @pytest.mark.parametrize("n", (2, 3))
 @pytest.mark.parametrize("shared", (True, False), ids=("one-prefix", "two-prefixes"))

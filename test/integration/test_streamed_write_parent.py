@@ -76,6 +76,7 @@ def _restore(tmp_path, core: str, seq: list[int], want) -> int:
 
 
 @pytest.mark.parametrize("core", TREE_CORES)
+@pytest.mark.all_seeds(core=("rust",))
 def test_child_written_behind_a_parent_still_in_flight(tmp_path, core: str) -> None:
     parent, seq, want, drops = _write_parent_then_child(tmp_path, core)
     assert drops == 0, f"{drops} parent_not_stored drops"

@@ -22,6 +22,7 @@ BELOW = (
     "sglang_l3.cpu_serving",
     "sglang_l3.metrics",
     "sglang_l3.envs",
+    "sglang_l3.device_reads",
 )
 UPPER = ("sglang_l3.patches", "sglang_l3.plugin", "sglang_l3.cli", "sglang_l3.doctor")
 # command-line modules: a runtime patch imports none of them

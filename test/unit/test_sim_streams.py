@@ -192,6 +192,47 @@ def test_patch_applies_only_when_asked(monkeypatch) -> None:
         cpu_sim_streams.applicable()
 
 
+def test_seeds_follow_the_variable(monkeypatch) -> None:
+    """Started with SGLANG_L3_SIM_STREAMS=N the integration tests run under seed N only;
+    a malformed or threaded value is an error, not a silent default."""
+    from sglang_l3.testing.sim import SEEDS, seeds
+
+    monkeypatch.delenv("SGLANG_L3_SIM_STREAMS", raising=False)
+    assert seeds() == SEEDS
+    monkeypatch.setenv("SGLANG_L3_SIM_STREAMS", "7")
+    assert seeds() == (7,)
+    monkeypatch.setenv("SGLANG_L3_SIM_STREAMS", "7:threaded")
+    with pytest.raises(ValueError, match="queued device"):
+        seeds()
+    monkeypatch.setenv("SGLANG_L3_SIM_STREAMS", "x")
+    with pytest.raises(ValueError, match="integer seed"):
+        seeds()
+
+
+def test_simulated_device_starts_fresh_over_one_applied_at_startup(monkeypatch) -> None:
+    """A process started with the variable set has the patch applied: a block gets a
+    fresh device of its own seed, and none is left installed after it."""
+    from sglang_l3.patches import framework
+    from sglang_l3.testing.sim import PATCH_ID, simulated_device
+
+    monkeypatch.setenv("SGLANG_L3_SIM_STREAMS", "3")
+    framework.apply_one(next(s for s in framework.load_series() if s.id == PATCH_ID))
+    assert sim.stats()["seed"] == 3
+    with simulated_device(4):
+        assert sim.stats() == {"seed": 4, "polls": 0, "lagged": 0, "device_reads": 0}
+    assert not sim.installed()
+
+
+def test_p_complete_is_checked() -> None:
+    sim.install(seed=0)
+    try:
+        assert sim.set_p_complete(0.5) == sim.P_COMPLETE
+        with pytest.raises(ValueError, match="p_complete"):
+            sim.set_p_complete(0.0)
+    finally:
+        sim.uninstall()
+
+
 def test_simulated_device_queues_host_pool_transfers() -> None:
     """Through the patch: a host-pool load on a side stream is queued, runs at sync."""
     from sglang_l3.testing.sim import simulated_device

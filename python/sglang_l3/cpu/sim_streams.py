@@ -56,6 +56,7 @@ class _Device:
         self.seq = 0  # issue order of queued work, over all streams
         self.polls = 0  # Event.query() calls on pending events
         self.lagged = 0  # ... that returned False
+        self.device_reads = 0  # device->host reads of device memory by a host thread (device_read)
         self.error: Optional[BaseException] = None  # first failure on the device thread
         # index tensors snapshotted at issue, by id: (tensor, version, snapshot); one piece's
         # indices go to every layer's launch, and an unchanged tensor needs no new copy
@@ -312,9 +313,34 @@ def installed() -> bool:
     return _DEV is not None
 
 
+def set_p_complete(p: float) -> float:
+    """Set the chance that a poll completes a pending event (lower: acks lag more polls,
+    as on a loaded GPU); returns the previous one."""
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"sim_streams: p_complete must be in (0, 1], got {p!r}")
+    d = _dev()
+    with d.lock:
+        prev, d.p_complete = d.p_complete, p
+    return prev
+
+
 def stats() -> dict[str, int]:
     d = _dev()
-    return {"seed": d.seed, "polls": d.polls, "lagged": d.lagged}
+    return {"seed": d.seed, "polls": d.polls, "lagged": d.lagged, "device_reads": d.device_reads}
+
+
+def device_read() -> None:
+    """A host thread reads device memory (an index tensor's `.cpu()`): on a GPU a blocking
+    copy, a sync. Counted (`stats()["device_reads"]`). Threaded mode: the caller waits until
+    the device has run everything queued so far, as the blocking copy waits behind it on the
+    default stream (legacy semantics; the benchmark's scheduler thread sees that wait).
+    Queued mode (the tests): counted only; running the queues here would land every copy
+    queued so far and hide the orderings the tests look for."""
+    d = _dev()
+    with d.lock:
+        d.device_reads += 1
+    if d.worker is not None and not d.on_device():
+        d.wait_until(lambda: not d.busy)
 
 
 def _is_index(x: Any) -> bool:

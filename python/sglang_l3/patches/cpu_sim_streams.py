@@ -6,7 +6,10 @@ stream/current_stream/synchronize (what upstream's `get_device_module()` returns
 without an accelerator) at a seeded queued-stream simulator (REGISTRY, undone by
 the context), and AROUND the host pools' transfer methods (KV and Mamba, load
 and backup) queues each call on the caller's current stream when that is not the
-default stream. Applies only when asked: the CPU switch and
+default stream, and AROUND `HiCacheController.move_indices`
+charges a device->host read of device indices (io backend `direct`; not a host copy taken
+by `sglang_l3.device_reads.host_copy`) as the sync it is on a GPU
+(`sim_streams.device_read`). Applies only when asked: the CPU switch and
 SGLANG_L3_SIM_STREAMS=<seed>[:threaded] (tests and benchmark/stall_bench.py, through
 `sglang_l3.testing.sim.simulated_device`).
 """
@@ -62,6 +65,18 @@ def _queued(what: str) -> Callable[..., Any]:
     return hook
 
 
+MOVE_INDICES = "sglang.srt.managers.cache_controller:HiCacheController.move_indices"
+
+
+def _move_indices(orig: Callable[..., Any], cc: Any, host_indices: Any, device_indices: Any) -> Any:
+    from sglang_l3.cpu.sim_streams import device_read
+    from sglang_l3.device_reads import is_host_copy
+
+    if cc.io_backend == "direct" and not is_host_copy(device_indices):
+        device_read()  # upstream's device_indices.cpu()
+    return orig(cc, host_indices, device_indices)
+
+
 def apply(ctx: PatchContext) -> None:
     from sglang_l3.cpu import sim_streams
 
@@ -70,3 +85,4 @@ def apply(ctx: PatchContext) -> None:
     ctx.on_undo(sim_streams.uninstall)
     for path, what in TRANSFERS:
         ctx.around(path, _queued(what))
+    ctx.around(MOVE_INDICES, _move_indices)

@@ -69,6 +69,7 @@ import msgspec
 import torch
 
 from sglang_l3 import metrics
+from sglang_l3.device_reads import host_copy
 from sglang_l3.patches.framework import PatchContext
 
 logger = logging.getLogger("sglang_l3.streamed_restore")
@@ -108,6 +109,7 @@ class Stream:
     start: int  # J: absolute token position where the hit begins
     hit: int  # h: tokens from J to the hit end P
     rows: torch.Tensor  # R: private device rows for [J, J + |R|)
+    rows_host: torch.Tensor | None  # R's indices on host (io backend direct): no piece reads the device
     keys: list[str]  # page hashes of R
     prefix_keys: list[str] | None
     piece_pages: int
@@ -202,9 +204,13 @@ def _read_piece(cc: Any, op: Any, keys: list[str], host: torch.Tensor, prefix_ke
     return done
 
 
-def _copy_to_device(cc: Any, host: torch.Tensor, rows: torch.Tensor) -> Any:
+def _copy_to_device(cc: Any, host: torch.Tensor, rows: torch.Tensor, rows_host: torch.Tensor | None) -> Any:
     """Queue host piece -> private device rows R (all layers) and return the event recorded
     after it. Never blocks the scheduler thread.
+
+    Indices: on the `direct` io backend upstream's `move_indices` reads the device indices
+    to host (a device sync per piece on a GPU); `rows_host`, R's host copy taken once at the
+    stream's start, is handed instead. The `kernel` backend keeps them on the device.
 
     Stream: upstream's load stream (`cc.l2_transfer_engine.host_to_device_stream`), as
     `HiCacheController.start_loading` queues load-backs. Fence: the load stream first waits
@@ -224,7 +230,7 @@ def _copy_to_device(cc: Any, host: torch.Tensor, rows: torch.Tensor) -> Any:
     stream = cc.l2_transfer_engine.host_to_device_stream
     entry = cc.mem_pool_host.anchor_entry
     hp = entry.host_pool
-    h, d = cc.move_indices(host, rows)
+    h, d = cc.move_indices(host, rows if rows_host is None else rows_host)
     stream.wait_stream(dm.current_stream())
     if cc.load_fence_stream is not None and not faults.active(faults.SKIP_LOAD_FENCE):
         stream.wait_stream(cc.load_fence_stream)
@@ -371,6 +377,7 @@ def _start(pipe: Any, op: Any, hit_tokens: int) -> Stream | str | None:
         start=op.storage_start,
         hit=hit_tokens,
         rows=rows,
+        rows_host=host_copy(rows) if cc.io_backend == "direct" else None,
         keys=list(op.hash_value[: r_len // page]),
         prefix_keys=list(op.prefix_keys) if op.prefix_keys is not None else None,
         piece_pages=p // page,
@@ -543,7 +550,8 @@ def _tick(cache: Any) -> None:
                 pass  # read after the stream stopped or was cut: not landed
             elif good == pc.pages:
                 a = pc.first_page * page
-                pc.copied = _copy_to_device(cc, pc.host, s.rows[a : a + pc.pages * page])
+                b = a + pc.pages * page
+                pc.copied = _copy_to_device(cc, pc.host, s.rows[a:b], None if s.rows_host is None else s.rows_host[a:b])
                 s.copying.append(pc)  # its host slots are freed once the copy completed
                 s.landed_pages += pc.pages
                 metrics.inc("l3_stream_restore_pieces")
@@ -593,6 +601,8 @@ def _storage_error(cache: Any, s: Stream, pc: _Piece, good: int) -> None:
     _truncate(cache, op, keep, reason="storage_transfer")
     s.spare = s.rows[r * page :]
     s.rows, s.keys = s.rows[: r * page], s.keys[:r]
+    if s.rows_host is not None:
+        s.rows_host = s.rows_host[: r * page]
     s.hit, s.landed_pages, s.next_page = c * page, r, r
     s.state, s.reason = "cutting", "cut_storage_error"
     metrics.inc("l3_stream_restore", "cut_storage_error")
@@ -622,6 +632,18 @@ def apply(ctx: PatchContext) -> None:
                 aux = op.sidecar_hit_pages * self._cache.page_size if op.sidecar_hash_values is not None else hit_tokens
                 return orig(self, op, info, hit_tokens, aux)
             self.release_anchor_lock(op.handle)  # parked ops hold no pin; ours is separate
+            return False
+        if s.op is not op and s.state != "staged":
+            # A new op for this request (a re-query after a failed final round) while the
+            # old stream still ends: its copies in flight hold host slots and rows until
+            # they complete (when is up to the device). Park the new op until the old
+            # stream is gone, then start afresh: never let upstream judge a hit only a
+            # stream can take (it declines it for good).
+            if self._cache.cache_controller.can_fit_prefetch_host_buffers(op, hit_tokens):
+                return orig(self, op, info, hit_tokens, aux_hit_tokens)
+            if s.state != "aborting":
+                _abort(self, s, "aborted")  # what the next tick would find: its op is gone
+            self.release_anchor_lock(op.handle)
             return False
         if s.op is not op or s.state not in ("reading", "cutting", "ready"):
             return orig(self, op, info, hit_tokens, aux_hit_tokens)

@@ -6,7 +6,10 @@ stream, undoes the patch and restores the variable. `threaded=True`: a device th
 runs queued work by itself (a copy engine beside the scheduler; benchmark/stall_bench.py). Build the stacks inside the
 block: their streams and events are made at construction.
 
-`SEEDS` are the seeds the integration tests run under (`test/integration/conftest.py`).
+`SEEDS` are the seeds the integration tests run under (`test/integration/conftest.py`);
+`seeds()` is what a run uses: SEEDS, or only the seed of SGLANG_L3_SIM_STREAMS when
+the test run is started with it (`SGLANG_L3_SIM_STREAMS=7 pytest ...`: every test of
+the simulated-device files under seed 7, each on a fresh device).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ def simulated_device(seed: int, *, threaded: bool = False) -> Iterator[int]:
 
     spec = next(s for s in framework.load_series() if s.id == PATCH_ID)
     prev = os.environ.get(ENV)
+    # Started with SGLANG_L3_SIM_STREAMS set, the process applied the patch already, on a
+    # device whose polls earlier tests consumed: this block gets a fresh one of its seed.
+    framework.undo(PATCH_ID)
     os.environ[ENV] = f"{seed}:threaded" if threaded else str(seed)
     try:
         st = framework.apply_one(spec)
@@ -39,6 +45,20 @@ def simulated_device(seed: int, *, threaded: bool = False) -> Iterator[int]:
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = prev
+
+
+def seeds() -> tuple[int, ...]:
+    """The seeds this test run uses: only SGLANG_L3_SIM_STREAMS's when it is set (a
+    malformed value is an error), else SEEDS."""
+    from sglang_l3 import envs
+    from sglang_l3.patches.cpu_sim_streams import setting
+
+    if not envs.value(ENV).strip():
+        return SEEDS
+    seed, threaded = setting()
+    if threaded:
+        raise ValueError(f"{ENV}: the tests run the queued device; drop ':threaded'")
+    return (seed,)
 
 
 def active() -> bool:
