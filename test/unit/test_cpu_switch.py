@@ -38,7 +38,9 @@ def _cpu_ids() -> tuple[str, ...]:
 
 
 CPU_IDS = _cpu_ids()
-OPT_IN = ("cpu-sim-streams",)  # also needs SGLANG_L3_SIM_STREAMS: not applied by the switch alone
+# not applied by the switch alone: cpu-sim-streams also needs SGLANG_L3_SIM_STREAMS,
+# scripted-decode SGLANG_L3_SCRIPTED_DECODE (a test script)
+OPT_IN = ("cpu-sim-streams", "scripted-decode")
 
 # Every probe is a fresh process as SGLang starts one (the plugin applies the queue).
 # The slow imports they share (torch, sglang's utils) happen once; each probe is then
