@@ -1,15 +1,17 @@
 """What the HTTP server process saw of each session's turns, for `sglang-l3 top`.
 
-Runs next to upstream's TokenizerManager (patch `session-hints` wraps
-`generate_request` and calls `started` / `first_output` / `finished` for every
-request with a top-level `session_id`). Per session: requests in flight (the
+Runs next to upstream's TokenizerManager: patch `session-hints` wraps
+`generate_request` and calls `started` / `finished` for every request with a
+top-level `session_id`, patch `implicit-sessions` for every request it names
+an implicit session. Per session: requests in flight (the
 session is speaking), last use, the last turn's context length, where its
 prefix came from (upstream's `cached_tokens_details`: device / host / storage)
 and the seconds from the request's arrival to its first output. Read by
 GET /sglang_l3/sessions (field `activity`).
 
 Only what the request stream shows: the tokens a session has on the device
-*now* are the scheduler's and are not known here.
+*now* are the scheduler's; patch `session-device-tokens` adds them to upstream's
+internal state under DEVICE_TOKENS_KEY, which GET /sglang_l3/sessions asks for.
 """
 
 from __future__ import annotations
@@ -21,6 +23,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_SESSIONS = 4096
+# upstream's /get_internal_state answer: {session id: full-KV tokens on the device}
+DEVICE_TOKENS_KEY = "sglang_l3_device_tokens"
+
+
+def context_tokens(out: Any) -> int:
+    """Input + output tokens of a finished request (upstream's meta_info)."""
+    meta = out.get("meta_info") if isinstance(out, dict) else None
+    if not isinstance(meta, dict):
+        return 0
+    return int(meta.get("prompt_tokens") or 0) + int(meta.get("completion_tokens") or 0)
+
+
+def device_tokens_of(states: Any) -> dict[str, int] | None:
+    """The session device tokens of upstream's internal states (one per DP
+    rank; TP ranks hold the same tree): merged, or None when no rank has them."""
+    if not isinstance(states, list):
+        return None
+    out: dict[str, int] | None = None
+    for st in states:
+        got = st.get(DEVICE_TOKENS_KEY) if isinstance(st, dict) else None
+        if isinstance(got, dict):
+            out = out if out is not None else {}
+            for sid, n in got.items():
+                out[str(sid)] = out.get(str(sid), 0) + int(n)
+    return out
 
 
 @dataclass

@@ -7,13 +7,16 @@ counters; the server needs --enable-metrics for the rates). Redraws in place
 (ANSI: home + clear) until Ctrl-C; `--once` prints one frame (rates over one
 interval) and exits, for scripts.
 
-Per session: state (speaking: a request in flight; staging: a "speaks next"
-hint in flight; pinned: an open session, whose pages the store retains ahead of
-plain pages; idle), turns, context tokens, tokens restorable from L3 (the
-session table's restorable pages x page size), its L3 bytes, last use, and the
-last turn's time to first output with where its prefix came from (device /
-host / L3, upstream's cached_tokens_details). Tokens a session holds on the
-device right now are the scheduler's and are not shown (docs/sessions.md).
+Per session, explicit (a client's session_id) or implicit (named by the
+server, patch `implicit-sessions`): state (speaking: a request in flight;
+staging: a "speaks next" hint in flight; pinned: an open session, whose pages
+the store retains ahead of plain pages; idle), turns, context tokens, the
+tokens of its last context on the device now (the scheduler's radix tree,
+patch `session-device-tokens`; "-" where the scheduler does not remember the
+session), tokens restorable from L3 (the session table's restorable pages x
+page size), its L3 bytes, last use, and the last turn's time to first output
+with where its prefix came from (device / host / L3, upstream's
+cached_tokens_details).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_l3.storage.cli import fmt_bytes
+from sglang_l3.storage.sessions import IMPLICIT_PREFIX
 
 CLEAR = "\x1b[H\x1b[2J"
 _LINE = re.compile(r"^sglang_l3_(\w+)_total\{[^}]*\}\s+([0-9.eE+-]+)$")
@@ -126,15 +130,17 @@ def session_rows(s: dict[str, Any], page_size: int | None = None) -> list[dict[s
     table = {r["id"]: r for r in s.get("sessions", []) if "id" in r}
     activity: dict[str, Any] = s.get("activity", {})
     staging = set(s.get("staging", []))
+    device = s.get("device_tokens")
+    device = device if isinstance(device, dict) else {}
     rows = []
-    for sid in sorted(set(table) | set(activity)):
+    for sid in sorted(set(table) | set(activity) | set(device)):
         t, a = table.get(sid, {}), activity.get(sid, {})
         if a.get("in_flight"):
             state = "speaking"
         elif sid in staging:
             state = "staging"
-        elif t.get("state") == "open":
-            state = "pinned"
+        elif t.get("state") == "open" and not (t.get("kind") == "implicit" and int(t.get("turns") or 0) < 2):
+            state = "pinned"  # (a one-turn implicit session ranks with closed ones in the store)
         else:
             state = "idle"
         restorable = t.get("restorable_pages")
@@ -143,7 +149,9 @@ def session_rows(s: dict[str, Any], page_size: int | None = None) -> list[dict[s
                 "session": sid,
                 "state": state,
                 "turns": a.get("turns", 0),
+                "implicit": t.get("kind") == "implicit" or sid.startswith(IMPLICIT_PREFIX),
                 "context_tokens": a.get("tokens") or t.get("tokens"),
+                "device_tokens": device.get(sid),
                 "l3_tokens": None if restorable is None or page_size is None else restorable * page_size,
                 "l3_pages": restorable,
                 "l3_bytes": t.get("bytes"),
@@ -197,17 +205,19 @@ def render(d: dict[str, Any], width: int = 120) -> str:
     out += d["errors"]
     out.append("")
     head = (
-        f"{'SESSION':<24} {'STATE':<9} {'TURNS':>5} {'CONTEXT':>8} {'L3 TOKENS':>9} {'L3 BYTES':>9} "
+        f"{'SESSION':<24} {'STATE':<9} {'TURNS':>5} {'CONTEXT':>8} {'DEVICE':>8} {'L3 TOKENS':>9} {'L3 BYTES':>9} "
         f"{'LAST USE':>9} {'1ST OUT':>8}  LAST SOURCE"
     )
     out.append(head[:width])
     if not d["sessions"]:
-        out.append("(no sessions: requests without session_id are not shown)")
+        out.append(
+            "(no sessions yet: with the file store, a request of at least one page starts one, with or without session_id)"
+        )
     for r in d["sessions"]:
         fo = r["last_first_output_s"]
         line = (
             f"{r['session'][:24]:<24} {r['state']:<9} {r['turns']:>5} {_num(r['context_tokens']):>8} "
-            f"{_num(r['l3_tokens']):>9} {fmt_bytes(r['l3_bytes']) if r['l3_bytes'] is not None else '-':>9} "
+            f"{_num(r['device_tokens']):>8} {_num(r['l3_tokens']):>9} {fmt_bytes(r['l3_bytes']) if r['l3_bytes'] is not None else '-':>9} "
             f"{_ago(r['last_use'], now):>9} {f'{fo:.2f}s' if fo is not None else '-':>8}  {_source(r['last_source'])}"
         )
         out.append(line[:width])

@@ -2,10 +2,12 @@
 terminal (a private tmux server), with two agents' turns going on.
 
 The live view draws in place (one frame on the screen, never scrolled
-copies), shows each session's row (turns, where its last prefix came from)
-and picks up a turn that lands while it runs; Ctrl-C ends it. `--once --json`
-gives a script the same rows: the store's bytes against its cap, the turn
-restored from L3.
+copies), shows each session's row (turns, its tokens on the device, where its
+last prefix came from) and picks up a turn that lands while it runs; Ctrl-C
+ends it. `--once --json` gives a script the same rows: the store's bytes
+against its cap, the turn restored from L3, a plain client's conversation
+(no session_id) as an implicit session's row, and every session's device
+tokens at 0 after the device is flushed.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ def _until(fn, what: str, timeout: float = 120.0):
     raise AssertionError(f"{what}; last: {got!r}")
 
 
+def _full_pages(context: int) -> int:
+    """Device tokens of a finished context: its full pages, the last output token's
+    KV never computed."""
+    return (context - 1) // PAGE_SIZE * PAGE_SIZE
+
+
 def _row(screen: str, sid: str) -> list[str]:
     for line in screen.splitlines():
         if line.startswith(sid + " "):
@@ -77,6 +85,12 @@ def test_top_live_in_a_terminal_and_once(tmp_path, hash_extension_built) -> None
         p2 = s.generate(P + p1.output_ids + prompt(5, 40), NEW, extra={"session_id": "planner"})
         assert p2.cached_storage == restorable(P_LEN), p2.meta
         s.generate(prompt(6, 200), NEW, extra={"session_id": "coder"})
+        # a plain client's agent: no session_id; its second call extends the first
+        plain = prompt(8, 200)
+        o1 = s.generate(plain, NEW)
+        o2 = s.generate(plain + o1.output_ids + prompt(9, 40), NEW)
+        plain_ctx = len(plain) + len(o1.output_ids) + 40 + len(o2.output_ids)
+        planner_ctx = P_LEN + len(p1.output_ids) + 40 + len(p2.output_ids)
 
         try:
             subprocess.run(
@@ -107,8 +121,10 @@ def test_top_live_in_a_terminal_and_once(tmp_path, hash_extension_built) -> None
                 "no coder row and rates on the screen",
             )
             planner = _row(shown, "planner")
-            # SESSION STATE TURNS CONTEXT ... LAST SOURCE: two turns, the last one's prefix from L3
-            assert planner[2] == "2", shown
+            # SESSION STATE TURNS CONTEXT DEVICE ... LAST SOURCE: two turns, the last one's prefix
+            # from L3, its whole context on the device again but the last output token's page
+            assert planner[2] == "2" and planner[3] == str(planner_ctx), shown
+            assert planner[4] == str(_full_pages(planner_ctx)), shown
             assert f"L3 {restorable(P_LEN)}" in " ".join(planner), shown
             assert "restores/s" in shown and "pages written/s" in shown, shown
             assert "of 64.0 MiB cap" in shown, shown
@@ -133,8 +149,19 @@ def test_top_live_in_a_terminal_and_once(tmp_path, hash_extension_built) -> None
         out = subprocess.run(_top(s.base, "--once", "--json"), capture_output=True, text=True, timeout=120, check=True)
         d = json.loads(out.stdout)
         rows = {r["session"]: r for r in d["sessions"]}
-        assert set(rows) == {"planner", "coder"}, rows
+        implicit = [r for r in rows if r.startswith("implicit-")]
+        assert set(rows) - set(implicit) == {"planner", "coder"} and len(implicit) == 1, rows
+        agent = rows[implicit[0]]
+        assert agent["implicit"] and agent["turns"] == 2 and agent["context_tokens"] == plain_ctx, agent
+        assert agent["device_tokens"] == _full_pages(plain_ctx) and agent["state"] == "pinned", agent
         assert rows["planner"]["turns"] == 2 and rows["planner"]["last_source"]["storage"] == restorable(P_LEN)
         assert rows["planner"]["state"] in ("pinned", "idle") and rows["planner"]["l3_bytes"] > 0, rows
         assert d["store_cap_bytes"] == CAP and 0 < d["store_bytes"] <= CAP, d
         assert d["metrics"] is True and set(d["rates"]) == {"restores/s", "pages read/s", "pages written/s"}
+
+        # the device flushed: every session's context is off it, still in L3
+        s.flush_cache()
+        out = subprocess.run(_top(s.base, "--once", "--json"), capture_output=True, text=True, timeout=120, check=True)
+        rows = {r["session"]: r for r in json.loads(out.stdout)["sessions"]}
+        assert {k: r["device_tokens"] for k, r in rows.items()} == dict.fromkeys(rows, 0), rows
+        assert rows["planner"]["l3_tokens"] > 0, rows

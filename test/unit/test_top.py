@@ -76,8 +76,41 @@ def test_frame_says_what_is_missing() -> None:
     text = top.render(top.frame_data("http://x", a, a))
     assert "store: none" in text
     assert "--enable-metrics" in text
-    assert "requests without session_id are not shown" in text
+    assert "no sessions yet" in text
+    assert top.session_rows(_answer({}, []), 64)[0]["device_tokens"] is None  # no answer from the scheduler: unknown
     d = top.frame_data("http://x", a, top.Sample(2.0, _answer({}, []), {"l3_restores": 0.0}))
     text = top.render(d)
     assert "2.0 KiB of 3.9 KiB cap (50%)" in text, text
     assert "rates: first frame" in text  # the previous sample had no counters
+
+
+def test_device_tokens_and_implicit_sessions() -> None:
+    """The scheduler's device tokens go on the session's row ("-" where it does
+    not remember the session); an implicit session is a row like any other, and
+    one with a single turn is not shown pinned (the store ranks it with closed ones)."""
+    now = time.time()
+    answer = _answer({}, [])
+    answer["sessions"] += [
+        {"id": "implicit-aa", "state": "open", "kind": "implicit", "turns": 1, "restorable_pages": 2, "last_use": now},
+        {"id": "implicit-bb", "state": "open", "kind": "implicit", "turns": 3, "restorable_pages": 5, "last_use": now},
+    ]
+    answer["device_tokens"] = {"open-one": 256, "implicit-bb": 320, "gone-from-table": 64}
+    rows = {r["session"]: r for r in top.session_rows(answer, 64)}
+    assert rows["open-one"]["device_tokens"] == 256 and rows["closed-one"]["device_tokens"] is None
+    assert rows["implicit-bb"]["device_tokens"] == 320 and rows["implicit-bb"]["implicit"]
+    assert rows["implicit-bb"]["state"] == "pinned" and rows["implicit-aa"]["state"] == "idle"
+    assert rows["gone-from-table"]["device_tokens"] == 64 and not rows["gone-from-table"]["implicit"]
+    text = top.render(top.frame_data("http://x", top.Sample(1.0, answer, None), top.Sample(2.0, answer, None)))
+    line = next(x for x in text.splitlines() if x.startswith("implicit-bb "))
+    assert line.split()[:6] == ["implicit-bb", "pinned", "0", "-", "320", str(5 * 64)], line
+
+
+def test_device_tokens_of_internal_states() -> None:
+    """Upstream's /get_internal_state answers one state per DP rank: merged; none
+    carrying the key (the patch is off, no store) is unknown, not zero."""
+    from sglang_l3.session_activity import DEVICE_TOKENS_KEY, device_tokens_of
+
+    assert device_tokens_of([{"x": 1}]) is None and device_tokens_of(None) is None
+    assert device_tokens_of([{DEVICE_TOKENS_KEY: {}}]) == {}
+    got = device_tokens_of([{DEVICE_TOKENS_KEY: {"a": 64}}, {DEVICE_TOKENS_KEY: {"a": 0, "b": 128}}])
+    assert got == {"a": 64, "b": 128}

@@ -14,7 +14,9 @@ client's top-level `session_id`, so every TP rank records the same session.
   tokenized request's `session_id`.
 - AROUND `TokenizerManager.generate_request`: when such a request finishes,
   its session's end points become its input and input + output, and the
-  hint book remembers the context (a hint can name the implicit id).
+  hint book remembers the context (a hint can name the implicit id). Its
+  turn is recorded for `sglang-l3 top` (sglang_l3/session_activity.py) as an
+  explicit session's is by patch `session-hints`.
 
 Active only with the sglang-l3 file store (where retention and the table
 live) and without `--enable-session-radix-cache` (there upstream would open
@@ -24,6 +26,7 @@ a radix-native session for every implicit id, which nothing closes).
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -44,6 +47,9 @@ class _State:
         self.tracker = ImplicitSessions()
         # rid -> (session, input ids, extra key, cache salt)
         self.pending: OrderedDict[str, tuple[str, list[int], Any, Any]] = OrderedDict()
+        # rid -> session, for `top`: counted speaking from the decision until the
+        # request's generator ends (always popped there, so unbounded is safe)
+        self.speaking: dict[str, str] = {}
 
 
 def _state(tm: Any) -> _State | None:
@@ -93,6 +99,7 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
     from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 
     from sglang_l3.implicit_sessions import page_keys
+    from sglang_l3.session_activity import ACTIVITY
     from sglang_l3.session_hints import HINT_RID_PREFIX, prediction
 
     mm = kwargs.get("mm_inputs", args[1] if len(args) > 1 else None)
@@ -127,6 +134,9 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
         return
     result.session_id = sid
     st.pending[rid] = (sid, ids, extra, salt)
+    if rid not in st.speaking:
+        ACTIVITY.started(sid)
+        st.speaking[rid] = sid
     prediction().arrived(tm, sid)
     while len(st.pending) > MAX_PENDING:
         st.pending.popitem(last=False)
@@ -147,13 +157,21 @@ def _finished(tm: Any, st: _State, rid: str, out_ids: list[int]) -> None:
 
 def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *args: Any, **kwargs: Any) -> Any:
     async def run() -> Any:
+        from sglang_l3.session_activity import ACTIVITY, context_tokens
         from sglang_l3.session_hints import prediction
 
         st = getattr(tm, TRACKER_ATTR, None)
         out_ids: list[int] = []
         done = False
+        t0 = time.monotonic()
+        first_at: float | None = None
+        last: dict[Any, Any] = {}  # rid -> its last output (a batch interleaves them)
         try:
             async for out in original(tm, obj, request, *args, **kwargs):
+                if first_at is None:
+                    first_at = time.monotonic()
+                if isinstance(out, dict):
+                    last[(out.get("meta_info") or {}).get("id")] = out
                 if isinstance(out, dict) and isinstance(out.get("output_ids"), list):
                     incremental = getattr(obj, "stream", False) and getattr(tm, "incremental_streaming_output", False)
                     out_ids = out_ids + out["output_ids"] if incremental else list(out["output_ids"])
@@ -175,6 +193,10 @@ def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *ar
                         logger.exception("sglang-l3 implicit sessions: cannot record the turn of %s", rid)
                 for r in rids:
                     st.pending.pop(r, None)
+                    sid = st.speaking.pop(r, None) if isinstance(r, str) else None
+                    if sid is not None:
+                        out = last.get(r, last.get(None))
+                        ACTIVITY.finished(sid, t0, first_at, context_tokens(out), out)
 
     return run()
 

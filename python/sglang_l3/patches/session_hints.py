@@ -10,7 +10,9 @@ the HTTP server process (sglang_l3/session_hints.py does the work):
     POST /sglang_l3/prefetch           {"session_id": ..., "input_ids": [...]}
     GET  /sglang_l3/prefetch/{hint_id} staging | landed | failed | deferred_device_full
     GET  /sglang_l3/sessions           the store's session table + hint counts, each
-                                       session's turns seen here, the store's bytes
+                                       session's turns seen here, its tokens on the
+                                       device (the scheduler's, patch
+                                       `session-device-tokens`), the store's bytes
                                        against its cap (read-only; `sglang-l3 top`)
     DELETE /sglang_l3/sessions/{id}    drop a session (every rank's registry)
 - AROUND `TokenizerManager.generate_request`: a request that extends an
@@ -25,6 +27,7 @@ and load-back stage it, on every TP rank alike.
 
 # No `from __future__ import annotations`: FastAPI reads the route handlers'
 # annotations (Request) at runtime, from this module's globals.
+import asyncio
 import json
 import logging
 import os
@@ -39,6 +42,8 @@ logger = logging.getLogger("sglang_l3.session_hints")
 TM = "sglang.srt.managers.tokenizer_manager:TokenizerManager"
 HTTP = "sglang.srt.entrypoints.http_server"
 ROUTE_MARK = "_sglang_l3_session_routes"
+# GET /sglang_l3/sessions waits this long for the scheduler (between two of its steps)
+DEVICE_TOKENS_TIMEOUT_S = 5.0
 
 
 def _tm() -> Any:
@@ -123,6 +128,7 @@ def add_routes(app: Any) -> None:
         from sglang_l3.session_activity import ACTIVITY
 
         tm = _tm()
+        device = None if tm is None else await _device_tokens(tm)
         settings = _store_settings(tm) if tm is not None else None
         root = None if settings is None else str(settings.root)
         rows = [] if root is None else [{k: v for k, v in r.items() if k != "keys"} for r in session_rows(root)]
@@ -140,6 +146,8 @@ def add_routes(app: Any) -> None:
                 "remembered_contexts": len(BOOK.contexts),
                 # `sglang-l3 top`: per-session turns seen here, hints in flight, the store against its cap
                 "activity": ACTIVITY.rows(),
+                # the scheduler's: full-KV tokens of each remembered session's context on the device
+                "device_tokens": device,
                 "staging": sorted(set(staging)),
                 "store_bytes": None if root is None else _pages_bytes(root),
                 "store_cap_bytes": None if settings is None else int(settings.max_bytes),
@@ -182,6 +190,19 @@ def add_routes(app: Any) -> None:
     app.add_api_route("/sglang_l3/sessions/{session_id}", drop_session, methods=["DELETE"])
 
 
+async def _device_tokens(tm: Any) -> dict[str, int] | None:
+    """Per-session device tokens from the scheduler (patch `session-device-tokens`,
+    through upstream's internal-state request); None when unknown."""
+    from sglang_l3.session_activity import device_tokens_of
+
+    try:
+        states = await asyncio.wait_for(tm.get_internal_state(), DEVICE_TOKENS_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - busy or down: the column says unknown
+        logger.debug("sglang-l3: no device tokens from the scheduler: %s", e)
+        return None
+    return device_tokens_of(states)
+
+
 def _after_init(result: Any, tm: Any, *args: Any, **kwargs: Any) -> None:
     mod = sys.modules.get(HTTP)
     app = getattr(mod, "app", None)
@@ -192,16 +213,8 @@ def _after_init(result: Any, tm: Any, *args: Any, **kwargs: Any) -> None:
     return
 
 
-def _context_tokens(out: Any) -> int:
-    """Input + output tokens of a finished request (upstream's meta_info)."""
-    meta = out.get("meta_info") if isinstance(out, dict) else None
-    if not isinstance(meta, dict):
-        return 0
-    return int(meta.get("prompt_tokens") or 0) + int(meta.get("completion_tokens") or 0)
-
-
 def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *args: Any, **kwargs: Any) -> Any:
-    from sglang_l3.session_activity import ACTIVITY
+    from sglang_l3.session_activity import ACTIVITY, context_tokens
     from sglang_l3.session_hints import BOOK, prediction, request_ids_and_session
 
     ids, sid, is_hint = request_ids_and_session(obj)
@@ -228,7 +241,7 @@ def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *ar
             if predicted:
                 prediction().answered(top_sid)
             if watched is not None:
-                ACTIVITY.finished(watched, t0, first_at, _context_tokens(last), last)
+                ACTIVITY.finished(watched, t0, first_at, context_tokens(last), last)
         if ids is not None and isinstance(top_sid, str) and isinstance(last, dict):
             out_ids = last.get("output_ids")
             if isinstance(out_ids, list):
