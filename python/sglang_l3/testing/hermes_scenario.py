@@ -43,18 +43,26 @@ def agent_flags(context: int = CONTEXT) -> list[str]:
     ]
 
 
-# Hermes with only the `file` toolset renders to ~6,700 tokens in the tiny tokenizer and
-# an agent's sixth call to ~8,200. A device pool of 144 pages holds one agent's longest
-# call plus the output SGLang reserves for it at admission (SMALL_POOL_MAX_TOKENS, the
-# agent's `model.max_tokens`), not both agents' contexts (~9,700 tokens together from
-# the second call on: they share 4,096), so each agent's call evicts the other agent's
-# own pages, which come back from L3.
-POOL_ONE_AGENT = 9216
+# Hermes with only the `file` toolset renders to ~6,700 tokens in the tiny tokenizer,
+# of which two agents share 5,824 (the system prompt up to the home directory). Each
+# agent's first tool call reads its own notes (NOTES_LINES, ~1,600 tokens), so its
+# calls grow from ~8,500 to ~9,800 tokens (six calls). A device pool of 168 pages
+# holds one agent's longest call plus the output SGLang reserves for it at admission
+# (SMALL_POOL_MAX_TOKENS, the agent's `model.max_tokens`), not both agents' contexts
+# (~11,200 tokens and more from the second call on), so each agent's call evicts the
+# other agent's own pages, which come back from L3.
+POOL_ONE_AGENT = 10752
+NOTES_LINES = 40
 SMALL_POOL_MAX_TOKENS = 512  # the script's answers are < 100 tokens
 
 
 def task_marker(name: str) -> str:
     return f"Task for {name}"
+
+
+def notes_text(name: str, lines: int = NOTES_LINES) -> str:
+    """The notes an agent reads first (its own text: the agents' contexts differ)."""
+    return "".join(f"notes of {name}, line {i:03d}: keep this line exactly as it is.\n" for i in range(lines))
 
 
 def task_prompt(name: str) -> str:
