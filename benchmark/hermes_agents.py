@@ -5,8 +5,9 @@ The scenario of test/agents/test_hermes_l3_restart.py without the restart
 (sglang_l3.testing.hermes_scenario): real `hermes -z … -t file` processes
 (hermes-agent 0.19.0 in `.venv-hermes`, `make install`) in sandboxes, tiny Qwen3.5
 (text) with the README's agent flags on CPU, buffer-only HiCache over the `file`
-store, patch scripted-decode making each agent's model read and write files in its
-sandbox for --calls model calls, then answer. The agents reach the server through
+store (host buffer --host-ratio x the pool), patch scripted-decode making each
+agent's model read and write files in its sandbox for --calls model calls, then
+answer. The agents reach the server through
 a relay (sglang_l3.testing.relay) that times each call's first streamed chunk.
 
 Prints per call: agent, step, prompt tokens, cached tokens (total, device, L3), the
@@ -20,7 +21,7 @@ log-probabilities compared. Last line:
 R = cached / ideal summed over every call after an agent's first, N = tokens that
 came from L3 over all calls, C = model calls of both agents.
 
-    nice -n 10 .venv/bin/python benchmark/hermes_agents.py [--calls 12] [--pool 12800] [--check]
+    nice -n 10 .venv/bin/python benchmark/hermes_agents.py [--calls 12] [--pool 12800] [--host-ratio 2] [--check]
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from sglang_l3.testing import hermes
 from sglang_l3.testing.hermes_scenario import (
     CONTEXT,
     SERVED_NAME,
+    SMALL_HOST_RATIO,
     SMALL_POOL_MAX_TOKENS,
+    host_ratio_args,
     last_log_entry,
     notes_text,
     replay_no_cache,
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
     record = root / "record.jsonl"
     rules = {task_marker(n): steps(root / n / "work", n, args.calls) for n in NAMES}
     script = write_script(root / "script.json", record, rules, record_prompt_ids=True)
-    config = server_config(script, storage_dir=root / "store", pool=args.pool)
+    config = server_config(script, storage_dir=root / "store", pool=args.pool, extra=host_ratio_args(args.host_ratio))
     timings = Timings()
     s = server(root, "l3", config)
     print(f"server: {s.shell_command()}", flush=True)
@@ -160,6 +163,12 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=12, help="model calls per agent (>= 3; the last one answers)")
     ap.add_argument(
         "--pool", type=int, default=12800, help="device KV pool, tokens (--max-total-tokens): about one agent's context"
+    )
+    ap.add_argument(
+        "--host-ratio",
+        type=float,
+        default=2.0,
+        help=f"host buffer / device pool (--hicache-ratio; {SMALL_HOST_RATIO}: less than one context)",
     )
     ap.add_argument("--max-tokens", type=int, default=SMALL_POOL_MAX_TOKENS, help="Hermes's model.max_tokens")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per agent process")

@@ -7,7 +7,9 @@ model calls per agent, five tool calls the agent executes, then the answer), wit
 
 - each agent's first tool call reads its own notes (~1,600 tokens), so the two
   contexts differ by more than a few pages beyond the shared system prompt;
-- L3 on (buffer-only HiCache over the `file` store in tmp) and a device pool of
+- L3 on (buffer-only HiCache over the `file` store in tmp; the host buffer twice
+  the device pool, and a quarter of it: less than one context, so restores and
+  writes are streamed through it in pieces) and a device pool of
   POOL_ONE_AGENT tokens: one agent's longest call and its output reservation fit,
   not both agents' contexts, so an agent's call after the other agent spoke finds
   its own pages evicted and gets them back from L3;
@@ -20,9 +22,11 @@ Checked, from the server's own per-request counters (scripted-decode's record):
 - every call after an agent's first reuses at least 0.9 of the ideal (the
   page-aligned common prefix with the previous prompt + the server's answer);
 - before the restart, each agent has a later call whose reuse came (partly) from L3;
-- each agent's first call after the restart comes from L3 (nothing on the device);
+- each agent's first call after the restart comes from L3 (the first one back:
+  nothing on the device);
 - every call's tokens and log-probabilities equal a no-cache server's given the
   same prompts; the agents finish, having executed every tool call in their sandbox.
+With the quarter buffer the reuse check is an expected failure (SMALL_BUFFER_GAP).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from sglang_l3.testing.hermes_scenario import (
     POOL_ONE_AGENT,
     SMALL_POOL_MAX_TOKENS,
     SERVED_NAME,
+    SMALL_HOST_RATIO,
+    host_ratio_args,
     last_log_entry,
     notes_text,
     replay_no_cache,
@@ -50,6 +56,7 @@ from sglang_l3.testing.hermes_scenario import (
     task_marker,
     task_prompt,
 )
+from sglang_l3.testing.many_agents import host_tokens
 from sglang_l3.testing.relay import Relay
 from sglang_l3.testing.scripted_decode import read_records, write_script
 from sglang_l3.testing.server import warm_hicache_hash_extension
@@ -110,7 +117,23 @@ def l3_counters(s: Any, path: Path) -> None:
     print(f"--- {path.name}\n" + "\n".join(x for x in lines if not x.rstrip().endswith(" 0.0")))
 
 
-def test_two_hermes_agents_l3_small_pool_restart(tmp_path: Path) -> None:
+# Known gap (docs/agents.md, "Open"): with a host buffer smaller than a context, a
+# restore goes through patch streamed-restore, which restores at once what the busy
+# device can take (`truncated_device`) instead of waiting for the other agent's call
+# to end; the agent whose call came second after the restart (and one later call)
+# got 6,656 of ~9,200 ideal tokens (0.71-0.73). Only that shortfall is an expected
+# failure; any other check failing fails the test.
+SMALL_BUFFER_GAP = (
+    "streamed restore truncated to what the busy device pool takes (truncated_device), "
+    "not deferred: reuse below 0.9 of the ideal with a host buffer smaller than a context"
+)
+
+
+@pytest.mark.parametrize(
+    ("host_ratio", "known_gap"),
+    [pytest.param(2.0, None, id="host-2x"), pytest.param(SMALL_HOST_RATIO, SMALL_BUFFER_GAP, id="host-quarter")],
+)
+def test_two_hermes_agents_l3_small_pool_restart(tmp_path: Path, host_ratio: float, known_gap: str | None) -> None:
     from sglang_l3.cpu import accelerator_present
 
     if accelerator_present():
@@ -124,7 +147,9 @@ def test_two_hermes_agents_l3_small_pool_restart(tmp_path: Path) -> None:
     record = tmp_path / "record.jsonl"
     rules = {task_marker(n): steps(tmp_path / n / "work", n, CALLS) for n in names}
     script = write_script(tmp_path / "script.json", record, rules, record_prompt_ids=True)
-    config = server_config(script, storage_dir=store, pool=POOL_ONE_AGENT, extra=["--enable-metrics"])
+    config = server_config(
+        script, storage_dir=store, pool=POOL_ONE_AGENT, extra=["--enable-metrics", *host_ratio_args(host_ratio)]
+    )
 
     current = {"server": server(tmp_path, "first", config).start()}
     gate = RestartGate(names)
@@ -132,6 +157,11 @@ def test_two_hermes_agents_l3_small_pool_restart(tmp_path: Path) -> None:
     done: dict[str, Any] = {}
     errors: dict[str, BaseException] = {}
     try:
+        if host_ratio < 1:
+            # a small host buffer: less than one agent's bare prompt (~6,700 tokens);
+            # upstream logs the host pool's size only when it is below the device pool's
+            host = host_tokens(current["server"])
+            assert host < 6000, host
         sandboxes = {
             n: hermes.Sandbox.create(
                 tmp_path / n,
@@ -224,4 +254,6 @@ def test_two_hermes_agents_l3_small_pool_restart(tmp_path: Path) -> None:
     first_back = min((per_agent[n][HOLD_AT - 1] for n in names), key=lambda r: r["device"])
     if not (first_back["device"] == 0 and first_back["l3"] == first_back["cached"]):
         failures.append(f"the first call after the restart was not all from L3: {first_back}")
+    if known_gap and failures and all(f.startswith("reuse below") for f in failures):
+        pytest.xfail(f"{known_gap}:\n" + "\n".join(failures))
     assert not failures, "\n".join(failures)

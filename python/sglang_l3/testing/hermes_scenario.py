@@ -23,7 +23,6 @@ from sglang_l3.testing.server import Server, ServerConfig
 MODEL = "tiny-qwen35-text"
 SERVED_NAME = "tiny-qwen35"
 CONTEXT = 65536
-MAX_TOKENS = 2048
 PAGE = 64
 STARTUP_TIMEOUT = float(os.environ.get("SGLANG_L3_E2E_STARTUP_TIMEOUT", "420"))
 
@@ -49,11 +48,20 @@ def agent_flags(context: int = CONTEXT) -> list[str]:
 # calls grow from ~8,500 to ~9,800 tokens (six calls). A device pool of 168 pages
 # holds one agent's longest call plus the output SGLang reserves for it at admission
 # (SMALL_POOL_MAX_TOKENS, the agent's `model.max_tokens`), not both agents' contexts
-# (~11,200 tokens and more from the second call on), so each agent's call evicts the
-# other agent's own pages, which come back from L3.
+# (~11,200 tokens and more from the second call on), so the agents' calls evict each
+# other's own pages, which come back from L3 (measured: from the third call on).
 POOL_ONE_AGENT = 10752
 NOTES_LINES = 40
 SMALL_POOL_MAX_TOKENS = 512  # the script's answers are < 100 tokens
+# the host buffer (buffer-only: it stages L3 writes and restores, holds nothing between
+# calls) as a fraction of the device pool: 2,752 tokens at POOL_ONE_AGENT, less than
+# one agent's context, so restores and writes go through it in pieces
+SMALL_HOST_RATIO = 0.25
+
+
+def host_ratio_args(ratio: float) -> list[str]:
+    """--hicache-ratio (after ServerConfig's own 2: the last one wins)."""
+    return ["--hicache-ratio", f"{ratio:g}"]
 
 
 def task_marker(name: str) -> str:
