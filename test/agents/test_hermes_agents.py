@@ -1,4 +1,4 @@
-"""Two real Hermes agents at once against the CPU server (issue 30, item 5; part of it).
+"""Two real Hermes agents at once against the CPU server (issue 30, item 5).
 
 Each agent is the real `hermes` process (hermes-agent 0.19.0, its own venv, a
 sandbox: temporary HOME and working directory, only the `file` toolset, writes
@@ -18,8 +18,9 @@ six model calls, then answer. Checked:
   page-aligned common prefix with that agent's previous prompt plus the server's
   own answer), from the server's own per-request counters.
 
-Not here yet (issue 30 item 5): L3 on with a small device pool, a restart between
-calls, and Hermes's context compression.
+Elsewhere (issue 30 item 5): L3 on with a small device pool and a restart between
+calls (test_hermes_l3_restart.py), Hermes's context compression
+(test_hermes_compression.py); the longer run is benchmark/hermes_agents.py.
 """
 
 from __future__ import annotations

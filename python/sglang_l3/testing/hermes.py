@@ -54,8 +54,11 @@ class Sandbox:
         context_length: int,
         max_tokens: int | None = None,
         compression_threshold: float | None = None,
+        compression: dict[str, float | int] | None = None,
     ) -> Sandbox:
-        """A fresh HOME (with .hermes/config.yaml) and working directory under `root`."""
+        """A fresh HOME (with .hermes/config.yaml) and working directory under `root`.
+        `compression`: more keys of Hermes's `compression` section (protect_first_n,
+        protect_last_n, target_ratio), with compression enabled."""
         home, work = root / "home", root / "work"
         (home / ".hermes").mkdir(parents=True)
         work.mkdir(parents=True)
@@ -70,8 +73,11 @@ class Sandbox:
         if max_tokens is not None:
             lines.append(f"  max_tokens: {max_tokens}")
         lines += [f"toolsets: [{TOOLSETS}]", "memory:", "  memory_enabled: false", "  user_profile_enabled: false"]
-        if compression_threshold is not None:
-            lines += ["compression:", "  enabled: true", f"  threshold: {compression_threshold}"]
+        if compression_threshold is not None or compression:
+            lines += ["compression:", "  enabled: true"]
+            if compression_threshold is not None:
+                lines.append(f"  threshold: {compression_threshold}")
+            lines += [f"  {k}: {v}" for k, v in (compression or {}).items()]
         (home / ".hermes" / "config.yaml").write_text("\n".join(lines) + "\n")
         return cls(root=root, home=home, work=work)
 
