@@ -66,12 +66,11 @@ def dropped(s: Server) -> dict[str, float]:
     return {r: float(v) for r, v in _DROPPED.findall(s.get_text("/metrics"))}
 
 
-@pytest.mark.parametrize(
-    ("prompt_len", "new_tokens", "want"),
-    [(445, 4, 384), (250, 8, 256)],
-    ids=("decode-ends-off-checkpoint", "decode-passes-256"),
-)
-def test_a_flush_right_after_an_answer_loses_nothing(tmp_path, hash_extension_built, prompt_len, new_tokens, want):
+# (prompt tokens, new tokens, the turn's deepest kept state = what the next turn restores)
+CASES = ((445, 4, 384), (250, 8, 256))  # decode ends off a checkpoint; decode passes 256
+
+
+def test_a_flush_right_after_an_answer_loses_nothing(tmp_path, hash_extension_built) -> None:
     from sglang_l3.cpu import accelerator_present
 
     if accelerator_present():
@@ -85,21 +84,23 @@ def test_a_flush_right_after_an_answer_loses_nothing(tmp_path, hash_extension_bu
         extra_args=["--enable-metrics", "--hicache-size", "1"],  # GB: no auto-sizing on a busy host
     )
     with Server(cfg, tmp_path / "server.log", startup_timeout=STARTUP_TIMEOUT) as s:
-        ids = prompt(7 + prompt_len, prompt_len)
-        a = s.generate(ids, new_tokens)
-        computed = prompt_len + len(a.output_ids) - 1  # the last token was sampled, never computed
-        assert len(a.output_ids) == new_tokens and a.cached_tokens == 0, a.meta
-        refused = s.flush_cache()  # at once: no wait for the L3 writes
-        flushes = _FLUSH_LOG.findall(s.log_text())
-        print(f"[flush] refused {len(refused)} time(s) first; server: {flushes}; dropped {dropped(s)}")
-        assert flushes and flushes[-1][0] == "done" and "idle=True" in flushes[-1][1], flushes
-        assert "l3_write_dropped=0" in flushes[-1][1] and not dropped(s), (flushes, dropped(s))  # none refused
+        for prompt_len, new_tokens, want in CASES:
+            what = f"{prompt_len} + {new_tokens}"
+            ids = prompt(7 + prompt_len, prompt_len)
+            a = s.generate(ids, new_tokens)
+            computed = prompt_len + len(a.output_ids) - 1  # the last token was sampled, never computed
+            assert len(a.output_ids) == new_tokens and a.cached_tokens == 0, (what, a.meta)
+            refused = s.flush_cache()  # at once: no wait for the L3 writes
+            flushes = _FLUSH_LOG.findall(s.log_text())
+            print(f"[flush] {what}: refused {len(refused)} time(s) first; server: {flushes[-1:]}; dropped {dropped(s)}")
+            assert flushes and flushes[-1][0] == "done" and "idle=True" in flushes[-1][1], (what, flushes)
+            assert "l3_write_dropped=0" in flushes[-1][1] and not dropped(s), (what, flushes, dropped(s))
 
-        history = ids + a.output_ids
-        kv_pages, states = stored(store, history[:computed])
-        assert checkpoint_after_turn(prompt_len, computed) == want
-        assert max(states) * PAGE_SIZE == want, states  # the deepest state the turn kept ...
-        assert kv_pages * PAGE_SIZE == want, (kv_pages, computed)  # ... and the KV up to it, no further
+            history = ids + a.output_ids
+            kv_pages, states = stored(store, history[:computed])
+            assert checkpoint_after_turn(prompt_len, computed) == want, what
+            assert max(states) * PAGE_SIZE == want, (what, states)  # the deepest state the turn kept ...
+            assert kv_pages * PAGE_SIZE == want, (what, kv_pages, computed)  # ... and the KV up to it, no further
 
-        b = s.generate(history + prompt(99, 48), new_tokens)
-        assert b.cached_device == 0 and b.cached_storage == want, b.meta
+            b = s.generate(history + prompt(99, 48), new_tokens)
+            assert b.cached_device == 0 and b.cached_storage == want, (what, b.meta)
