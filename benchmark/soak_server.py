@@ -22,9 +22,13 @@ within --request-timeout is a hang (the soak stops there).
 
 restored_vs_restorable=R/C: over the requests sent right after a /flush_cache (the
 device holds nothing then), R = tokens restored from L3 and C = tokens restorable by
-checkpoint: the agent's previous turn as computed (its input and its answer but the
-last token), floored to the 64-token Mamba checkpoint grid (a hybrid prefix is only
-restorable where a state is stored). R < C means L3 lost part of a turn it was given
+checkpoint: the deepest Mamba state the agent's previous turn kept (a hybrid prefix is
+only restorable where a state is stored, and upstream inserts a finished turn only up
+to it): its prompt's last 64-token boundary (prefill), or the last multiple of 256
+(`mamba_track_interval`) its decode passed, whichever is deeper (`kept_checkpoint`;
+test/e2e/test_flush_restore_server.py; before issue 33 C counted the whole computed
+turn floored to 64, so a turn ending by decode past its prompt's boundary, e.g. 445
+prompt + 4 new = 448 computed, counted 64 tokens no state ever covered). R < C means L3 lost part of a turn it was given
 (issue 24: writes dropped as parent_not_stored), or a page of it was damaged by this
 soak: each short restore is printed with which, and the summary line counts them
 (short_restores=, short_after_damage=).
@@ -53,7 +57,17 @@ from pathlib import Path
 
 VERIFY_FAIL = "TP ranks made different L3 restore decisions"
 CHECKPOINT = 64  # tokens: the Mamba state grid of the served model at page 64
+TRACK_INTERVAL = 256  # upstream's --mamba-track-interval default: where decode keeps a state
 STREAM_START = re.compile(r"streamed restore req=\S+ start=")
+
+
+def kept_checkpoint(prompt_len: int, computed: int) -> int:
+    """The deepest Mamba state a turn of `prompt_len` prompt tokens and `computed` tokens
+    computed keeps (its prefix on the 64-token grid, as every restored or cached prefix
+    is): prefill keeps the prompt's last CHECKPOINT boundary, decode the multiples of
+    TRACK_INTERVAL it passes; the turn is inserted, and written to L3, only up to it."""
+    decode = computed // TRACK_INTERVAL * TRACK_INTERVAL
+    return max(prompt_len // CHECKPOINT * CHECKPOINT, decode if decode > prompt_len else 0)
 
 
 def _tokens(rng: random.Random, lo: int, hi: int) -> list[int]:
@@ -167,9 +181,9 @@ def main() -> int:
     # ---------------------------------------------------------------- phase 1
     inputs: list = []  # per plan entry: a request's ids, or a burst's (writer, [ids])
     refs: list = []  # per plan entry: a Generation, or a burst's list of them
-    restorable: list[int] = []  # per plan entry: the previous turn as computed, on the checkpoint grid
+    restorable: list[int] = []  # per plan entry: the deepest state the agent's previous turn kept
     history = {a: list(systems[a % 2]) for a in range(args.agents)}
-    computed = {a: 0 for a in range(args.agents)}
+    kept = {a: 0 for a in range(args.agents)}
     t0 = time.monotonic()
     with Server(config(False), work / "plain.log", startup_timeout=args.startup_timeout) as plain:
         print(
@@ -192,12 +206,13 @@ def main() -> int:
                 g = plain.generate(ids, args.new_tokens, timeout=args.request_timeout)
                 inputs.append(ids)
                 refs.append(g)
-                restorable.append(min(computed[agent], len(ids) - 1) // CHECKPOINT * CHECKPOINT)
+                restorable.append(min(kept[agent], (len(ids) - 1) // CHECKPOINT * CHECKPOINT))
                 history[agent] = ids + g.output_ids
-                computed[agent] = len(ids) + len(g.output_ids) - 1  # the last token was sampled, never computed
+                # the last token was sampled, never computed
+                kept[agent] = kept_checkpoint(len(ids), len(ids) + len(g.output_ids) - 1)
                 if len(history[agent]) > args.max_history:
                     history[agent] = list(systems[agent % 2])
-                    computed[agent] = 0
+                    kept[agent] = 0
                 done += 1
             if before // 50 != done // 50:
                 print(f"  reference {done}/{args.requests}", flush=True)

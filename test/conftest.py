@@ -110,6 +110,7 @@ SLOW_FIRST = (
     "e2e/test_streamed_server.py",
     "e2e/test_startup_errors.py",
     "e2e/test_metrics_server.py",
+    "e2e/test_flush_restore_server.py",
     "e2e/test_runtime_attach.py",
     "e2e/test_top_server.py",
     "e2e/test_bad_request.py",

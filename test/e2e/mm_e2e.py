@@ -149,9 +149,10 @@ def post_generate(
 
 def wait_stored(server: Server, session_id: str, tokens: int, timeout: float = 900.0) -> None:
     """Wait until the L3 store holds the first tokens // 64 pages of the session's
-    context (its key chain, GET /sglang_l3/sessions): /flush_cache drops L3 backups
-    still queued (upstream's HiCacheController.reset), so a test that flushes right
-    after a request must wait for its pages first."""
+    context (its key chain, GET /sglang_l3/sessions). Not needed before a /flush_cache
+    (upstream flushes only once the L3 pipeline is idle: nothing queued, in flight or
+    unacked; test_flush_restore_server.py); it is how these tests learn that the pages
+    are stored at all."""
     import json
 
     pages = tokens // PAGE_SIZE

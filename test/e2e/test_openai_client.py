@@ -66,7 +66,7 @@ def _agent_loop(server, session: str, image: bool, flush_before=()) -> list[dict
     for turn in range(5):
         messages.append(_user_message(turn, image))
         if turn in flush_before:
-            # the previous turn's pages reach L3 first (a flush drops queued backups)
+            # the previous turn's pages are in L3 (a flush waits for queued writes itself)
             wait_stored(server, session, turns[-1]["prompt_tokens"])
             server.flush_cache()
         r = client.chat.completions.create(

@@ -233,6 +233,26 @@ def test_p_complete_is_checked() -> None:
         sim.uninstall()
 
 
+def test_held_acks_lag_until_released_a_sync_still_runs(dev) -> None:
+    """hold_acks(True): every poll of a pending event is False (however many); released,
+    polls complete it again; a synchronize runs the work even while held."""
+    log: list = []
+    s = torch.cpu.Stream()
+    with torch.cpu.stream(s):
+        sim.enqueue(_log_op(log, "a"), "a")
+        ev = torch.cpu.Event()
+        ev.record()
+        sim.enqueue(_log_op(log, "b"), "b")
+        ev2 = torch.cpu.Event()
+        ev2.record()
+    assert sim.hold_acks(True) is False
+    assert not any(ev.query() for _ in range(200)) and log == []
+    ev.synchronize()
+    assert log == ["a"] and ev.query()
+    assert sim.hold_acks(False) is True
+    assert any(ev2.query() for _ in range(200)) and log == ["a", "b"]
+
+
 def test_simulated_device_queues_host_pool_transfers() -> None:
     """Through the patch: a host-pool load on a side stream is queued, runs at sync."""
     from sglang_l3.testing.sim import simulated_device

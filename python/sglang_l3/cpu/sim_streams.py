@@ -47,6 +47,7 @@ class _Device:
     def __init__(self, seed: int, p_complete: float, threaded: bool) -> None:
         self.seed = seed
         self.p_complete = p_complete
+        self.held = False  # hold_acks: polls of pending events find nothing complete
         self.rng = random.Random(seed)
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
@@ -230,7 +231,7 @@ class SimEvent:
             return False  # threaded: the device completes it by itself
         with d.lock:
             d.polls += 1
-            if d.rng.random() < d.p_complete:
+            if not d.held and d.rng.random() < d.p_complete:
                 self.stream._run_to(self.mark)
                 return True
             d.lagged += 1
@@ -321,6 +322,16 @@ def set_p_complete(p: float) -> float:
     d = _dev()
     with d.lock:
         prev, d.p_complete = d.p_complete, p
+    return prev
+
+
+def hold_acks(held: bool) -> bool:
+    """While held, polling a pending event never completes it (acks lag for as long as
+    a test needs, e.g. an aborted stream's copies); a synchronize still runs the work,
+    as a wait on a GPU does. Returns the previous setting."""
+    d = _dev()
+    with d.lock:
+        prev, d.held = d.held, held
     return prev
 
 

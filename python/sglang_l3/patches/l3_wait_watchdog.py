@@ -25,7 +25,9 @@ How, after each `Scheduler.get_next_batch_to_run` (a lockstep point):
   upstream's own abort path (`release_aborted_request`: staged hold, parked or
   in-flight prefetch; a stream is aborted first), its wait marked expired (no
   re-issue), and it is admitted as a recompute. Counter `l3_wait_abandoned`, which
-  must stay 0 (a test that reads it fails otherwise).
+  must stay 0 (a test that reads it fails otherwise). An abandoned request is not
+  abandoned (nor counted) again while it keeps waiting: its aborted stream stays in
+  state `aborting` until the copies already queued into its rows are acked.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class _Clock:
     since: float  # first pass it was seen waiting (monotonic)
     stalled: float = 0.0  # seconds of idle passes since
     reported: bool = False  # detect mode: logged and counted once
+    # verify mode: abandoned once; its aborted stream may stay `aborting` (and the request
+    # queued on it) until the copies into R are acked: not abandoned again meanwhile
+    abandoned: bool = False
 
 
 @dataclasses.dataclass
@@ -143,7 +148,10 @@ def check(sched: Any, idle: bool, now: float | None = None, verify: bool | None 
     limits = [budget_s(cache, req) + margin for req, _ in waiting]
     if not (verify_mode() if verify is None else verify):
         return _report(waiting, limits, clocks, now)
-    over = [int(clocks[req.cache_request_handle].stalled > lim) for (req, _), lim in zip(waiting, limits)]
+    over = [
+        int(not (c := clocks[req.cache_request_handle]).abandoned and c.stalled > lim)
+        for (req, _), lim in zip(waiting, limits)
+    ]
     t = torch.tensor(over, dtype=torch.int32)
     cache._all_reduce(t, torch.distributed.ReduceOp.MAX)  # any rank over: every rank abandons
     agreed = t.tolist()
@@ -164,6 +172,7 @@ def check(sched: Any, idle: bool, now: float | None = None, verify: bool | None 
             views,
         )
         _abandon(cache, req)
+        clocks[req.cache_request_handle].abandoned = True
         out.append(str(req.rid))
     return out
 

@@ -13,7 +13,9 @@ How:
   stored but gone is healed by the next (MIN-reduced) exists query.
 - tp-agreed-flush: AROUND Scheduler.flush_cache and SchedulerFlushWrapper:
   the idle flag is MIN-reduced and the deferred deadline MAX-reduced over the
-  TP CPU group, so every rank flushes or refuses together.
+  TP CPU group, so every rank flushes or refuses together. Every flush (any TP
+  size) logs one line: done or refused, and the L3 pipeline's work and
+  `l3_write_dropped` as they were when it was asked (`flush_state`).
 - tp-verify-restores (SGLANG_L3_VERIFY=1 only): every restore decision
   (request id, restored tokens, node path length) is recorded at
   BufferModePipeline.init_load_back and all-gathered over the TP CPU group right
@@ -121,7 +123,39 @@ def _flush_group(sched: Any) -> Any:
     return getattr(sched, "dp_tp_cpu_group", None)
 
 
+# What BufferModePipeline.is_idle requires to be empty (the flush resets only when it is).
+_PIPE_WORK = (
+    "pending_write_queue",
+    "inflight_backup_node_ids",
+    "ongoing_write_through",
+    "ongoing_backup",
+    "staged_prefetches",
+    "pending_hit_allocs",
+    "ongoing_buffer_load_back",
+    "anchor_locks",
+)
+
+
+def flush_state(sched: Any) -> str | None:
+    """The L3 pipeline at a /flush_cache (None: no buffer-only pipeline): its idle flag,
+    the size of each kind of work it waits on, and this process's l3_write_dropped."""
+    pipe = getattr(getattr(sched, "tree_cache", None), "buffer_pipeline", None)
+    if pipe is None:
+        return None
+    work = " ".join(f"{n}={len(getattr(pipe, n, ()) or ())}" for n in _PIPE_WORK)
+    dropped = {k: v for k, v in metrics.snapshot().items() if k.startswith("l3_write_dropped")}
+    return f"idle={bool(pipe.is_idle())} {work} l3_write_dropped={dropped or 0}"
+
+
 def _flush_cache(original: Callable, sched: Any, *args: Any, **kwargs: Any) -> Any:
+    state = flush_state(sched)
+    out = _agreed_flush(original, sched, *args, **kwargs)
+    if state is not None:
+        logger.info("sglang-l3: /flush_cache %s; L3 pipeline before it: %s", "done" if out else "refused", state)
+    return out
+
+
+def _agreed_flush(original: Callable, sched: Any, *args: Any, **kwargs: Any) -> Any:
     group = _flush_group(sched)
     if _world(group) > 1:
         local = bool(sched.is_fully_idle(ignore_waiting=sched._engine_paused))

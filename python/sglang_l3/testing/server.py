@@ -538,16 +538,19 @@ class Server:
         except ValueError:
             return status, raw.decode(errors="replace")
 
-    def flush_cache(self, timeout: float = 300.0) -> None:
+    def flush_cache(self, timeout: float = 300.0) -> list[str]:
         """POST /flush_cache (HTTP 200 = flushed; 400 = refused, e.g. requests in
-        flight: retried for a while). `timeout` bounds each attempt."""
+        flight or L3 writes not yet acked: retried for a while). `timeout` bounds each
+        attempt. Returns the refusals that came before the flush."""
+        refused: list[str] = []
         last = ""
         for _ in range(100):
             try:
                 self._request("POST", "/flush_cache", timeout=timeout)
-                return
+                return refused
             except urllib.error.HTTPError as e:
                 last = e.read().decode(errors="replace")
+                refused.append(last)
                 time.sleep(0.2)
         raise ServerError(f"/flush_cache kept refusing: {last}")
 
