@@ -26,37 +26,21 @@ calls (test_hermes_l3_restart.py), Hermes's context compression
 from __future__ import annotations
 
 import json
-import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sglang_l3.testing import hermes
-from sglang_l3.testing.scripted_decode import ENV, answer_step, read_records, tool_step, write_script
-from sglang_l3.testing.server import Server, ServerConfig, warm_hicache_hash_extension
+from sglang_l3.testing import hermes_scenario as scenario
+from sglang_l3.testing.hermes_scenario import CONTEXT, SERVED_NAME, ideal, replay_no_cache, server_config
+from sglang_l3.testing.scripted_decode import answer_step, read_records, tool_step, write_script
+from sglang_l3.testing.server import warm_hicache_hash_extension
 
 pytestmark = [pytest.mark.agents, pytest.mark.e2e, pytest.mark.slow]
 
-MODEL = "tiny-qwen35-text"
-SERVED_NAME = "tiny-qwen35"
-CONTEXT = 65536
 MAX_TOKENS = 2048
-PAGE = 64
-STARTUP_TIMEOUT = float(os.environ.get("SGLANG_L3_E2E_STARTUP_TIMEOUT", "420"))
-AGENT_FLAGS = [
-    "--tool-call-parser",
-    "qwen3_coder",
-    "--reasoning-parser",
-    "qwen3",
-    "--enable-cache-report",
-    "--context-length",
-    str(CONTEXT),
-    "--served-model-name",
-    SERVED_NAME,
-]
 
 
 def _steps(work: Path, name: str) -> list[dict[str, Any]]:
@@ -69,33 +53,6 @@ def _steps(work: Path, name: str) -> list[dict[str, Any]]:
         tool_step(f"{name}: read the log.", "read_file", path=str(work / "log.txt")),
         answer_step(f"{name}: all done.", f"{name} copied the notes."),
     ]
-
-
-def _server(root: Path, name: str, script: Path | None, extra: list[str]) -> Server:
-    config = ServerConfig(
-        model=MODEL,
-        skip_tokenizer_init=False,
-        max_total_tokens=2 * CONTEXT,
-        page_size=PAGE,
-        extra_args=AGENT_FLAGS + extra,
-        env={
-            # the tiny model's config says 8192 positions; its rotary embedding has no limit
-            "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1",
-            **({ENV: str(script)} if script else {}),
-        },
-    )
-    return Server(config, root / f"{name}-{time.monotonic_ns()}.log", startup_timeout=STARTUP_TIMEOUT)
-
-
-def _ideal(prev: dict[str, Any], cur: dict[str, Any]) -> int:
-    """Page-aligned common prefix of this prompt with the previous prompt + its answer."""
-    a, b = prev["prompt_ids"] + prev["tokens"], cur["prompt_ids"]
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n // PAGE * PAGE
 
 
 def test_two_hermes_agents_at_once(tmp_path: Path) -> None:
@@ -119,7 +76,7 @@ def test_two_hermes_agents_at_once(tmp_path: Path) -> None:
         rules[f"Task for {n}"] = _steps(boxes[n] / "work", n)
     script = write_script(tmp_path / "script.json", record, rules, record_prompt_ids=True)
 
-    server = _server(tmp_path, "cached", script, []).start()
+    server = scenario.server(tmp_path, "cached", server_config(script)).start()
     try:
         base_holder["url"] = server.base + "/v1"
         sandboxes = {
@@ -159,33 +116,18 @@ def test_two_hermes_agents_at_once(tmp_path: Path) -> None:
         assert [r["step"] for r in mine] == [0, 1, 2, 3, 4, 5], [(r["step"], r["prompt_tokens"]) for r in mine]
 
     # the same prompts (the server's own, as recorded) against a server without any cache
-    fresh_record = tmp_path / "fresh.jsonl"
-    fresh_script = write_script(tmp_path / "fresh.json", fresh_record, rules, record_prompt_ids=False)
-    fresh = _server(tmp_path, "fresh", fresh_script, ["--disable-radix-cache"]).start()
-    try:
-        for r in rows:
-            body = {
-                "input_ids": r["prompt_ids"],
-                "sampling_params": {"temperature": 0, "max_new_tokens": len(r["tokens"]) + 8},
-            }
-            status, out = fresh.post("/generate", body, timeout=1800)
-            assert status == 200, out
-    finally:
-        fresh.stop()
-    want = {r["prompt_sha256"]: r for r in read_records(fresh_record)}
-    for r in rows:
-        w = want[r["prompt_sha256"]]
-        assert r["tokens"] == w["tokens"] and r["logprobs"] == w["logprobs"], (r["rule"], r["step"])
+    bad = replay_no_cache(rows, rules, tmp_path)
+    assert not bad, f"differs from the no-cache server: {bad}"
 
     report = []
     short = []
     for n in names:
         mine = [r for r in rows if r["rule"] == f"Task for {n}"]
         for prev, cur in zip(mine, mine[1:]):
-            ideal = _ideal(prev, cur)
+            want = ideal(prev, cur)
             got = cur["cached"]["total"]
-            report.append(f"{n} step {cur['step']}: prompt {cur['prompt_tokens']} cached {got} ideal {ideal}")
-            if got < 0.9 * ideal:
+            report.append(f"{n} step {cur['step']}: prompt {cur['prompt_tokens']} cached {got} ideal {want}")
+            if got < 0.9 * want:
                 short.append(report[-1])
     print("\n".join(report))
     (tmp_path / "reuse.json").write_text(json.dumps(report))
