@@ -26,7 +26,11 @@ checkpoint is staged after the last KV window, as today. Window sizes come from
 the pool size and the cursor from beliefs: identical on every TP rank.
 What is still dropped (parent not stored: the parent's own write was dropped or
 swept with its evicted node; backlog cap; an aux pool too big) is counted by reason
-in `l3_write_dropped{reason}`.
+in `l3_write_dropped{reason}`. So is a queued write whose node the device evicted
+before it staged (`evicted`: upstream's `_split_pieces` finds nothing left and sweeps
+the intent; upstream pins a node only from its D2H launch, so under load, with a
+small host buffer and restores holding it, a context can leave the device before its
+write reached L3 and is recomputed when it returns).
 """
 
 from __future__ import annotations
@@ -109,6 +113,17 @@ def apply(ctx: PatchContext) -> None:
         if not ok:
             metrics.inc("l3_write_dropped", "parent_not_stored")
         return ok
+
+    def split_pieces(orig: Any, self: Any, snapshot: Any) -> Any:
+        pieces = orig(self, snapshot)
+        if pieces is None:  # the queued span left the device unwritten: upstream sweeps it
+            metrics.inc("l3_write_dropped", "evicted")
+            logger.warning(
+                "L3 write dropped: node %s (%d tokens) was evicted from the device before its write staged",
+                snapshot.node_id,
+                len(snapshot.key),
+            )
+        return pieces
 
     def enqueue(orig: Any, self: Any, node_id: Any) -> None:
         before = getattr(self, "_backlog_cap_hits", 0)
@@ -193,6 +208,7 @@ def apply(ctx: PatchContext) -> None:
 
     ctx.around(f"{PIPE}._backup_oversize", backup_oversize)
     ctx.around(f"{PIPE}._backup_parent_covered", parent_covered)
+    ctx.around(f"{PIPE}._split_pieces", split_pieces)
     ctx.around(f"{PIPE}.enqueue_backup_intent", enqueue)
     ctx.around(f"{PIPE}._launch_transfers", launch)
     ctx.around(f"{PIPE}._stage_backup_intent", stage)
