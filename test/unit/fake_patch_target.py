@@ -20,8 +20,16 @@ def applicable() -> str | None:
     return None
 
 
+NESTING: list[str] = []  # patch ids whose hello wrapper ran, innermost first
+
+
 def apply(ctx) -> None:
-    ctx.around("fake_patch_target:Greeter.hello", lambda orig, self, name: orig(self, name) + "!")
+    def hello(orig, self, name):
+        out = orig(self, name) + "!"
+        NESTING.append(ctx.id)
+        return out
+
+    ctx.around("fake_patch_target:Greeter.hello", hello)
     ctx.after("fake_patch_target:Greeter.shout", lambda result, text: result + "?")
     ctx.around("fake_patch_target:Greeter.make", lambda orig, cls: orig(cls))
 

@@ -67,6 +67,28 @@ def test_undo_keeps_a_patch_stacked_on_the_same_target(clean) -> None:
     assert fpt.Greeter().hello("x") == "hello x"
 
 
+def test_reapplying_an_undone_patch_restores_the_series_nesting(clean) -> None:
+    # series order t-ok, t-top, t-needs: t-ok innermost. A negative control undoes t-ok and
+    # applies it again; it must go back inside t-top and t-needs (where start-up put it),
+    # not wrap them, or the rest of the suite runs a nesting no server runs.
+    series = [_spec("t-ok"), _spec("t-top"), _spec("t-needs")]
+
+    def nesting() -> list[str]:
+        fpt.NESTING.clear()
+        fpt.Greeter().hello("x")
+        return list(fpt.NESTING)
+
+    framework.apply_all(series)
+    assert nesting() == ["t-ok", "t-top", "t-needs"]
+    framework.undo("t-ok")
+    assert nesting() == ["t-top", "t-needs"]
+    framework.apply_one(series[0], series)
+    assert nesting() == ["t-ok", "t-top", "t-needs"]
+    assert all(framework.is_applied(s.id) for s in series)
+    assert framework.apply_one(series[0], series).state is State.APPLIED  # idempotent
+    assert nesting() == ["t-ok", "t-top", "t-needs"]
+
+
 def test_undo_removes_the_patches_that_require_it(clean) -> None:
     # t-needs requires t-ok and stacks on its targets: re-applying it would re-apply
     # t-ok (its requirement), so the negative control would silently keep t-ok

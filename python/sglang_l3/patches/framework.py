@@ -408,6 +408,7 @@ def apply_one(spec: PatchSpec, series: Optional[list[PatchSpec]] = None) -> Patc
                 "Re-verify the patch against this upstream and update series.toml, "
                 "or set SGLANG_L3_ALLOW_DRIFT=1 to apply anyway."
             )
+        later = _undo_later_on_shared_targets(spec, series if series is not None else load_series())
         ctx = PatchContext(status)
         try:
             module.apply(ctx)
@@ -419,12 +420,42 @@ def apply_one(spec: PatchSpec, series: Optional[list[PatchSpec]] = None) -> Patc
         except Exception as e:
             ctx.undo()
             status.state, status.detail = State.FAILED, f"{type(e).__name__}: {e}"
+            for again in later:
+                apply_one(again, series)
             raise PatchError(f"patch {spec.id!r} failed to apply: {e}") from e
         _CONTEXTS[spec.id] = ctx
         status.state = State.APPLIED
         status.detail = "drift allowed by SGLANG_L3_ALLOW_DRIFT" if drift else ""
         logger.debug("sglang-l3: applied patch %s", spec.id)
+        for again in later:
+            apply_one(again, series)
         return status
+
+
+def _undo_later_on_shared_targets(spec: PatchSpec, order: list[PatchSpec]) -> list[PatchSpec]:
+    """Before `spec` is applied (again): if a patch that comes after it in the series is
+    already applied and hooks one of its targets, `spec` would wrap that patch's wrapper,
+    the reverse of the series' nesting (a negative control that undid and re-applied a
+    patch changed how the rest of the suite ran). Undo the applied patches from the first
+    such later one on, in reverse, and return their specs, in series order, to apply
+    again after `spec`. Nothing to do at start-up, which applies in series order."""
+    pos = {s.id: i for i, s in enumerate(order)}
+    me = pos.get(spec.id)
+    if me is None:
+        return []
+    ids = list(_CONTEXTS)
+    first = next((k for k, pid in enumerate(ids) if pos.get(pid, -1) > me), None)
+    if first is None:
+        return []
+    tail = ids[first:]
+    mine = {t.path for t in spec.targets}
+    if not any(mine & {t.path for t in _STATUS[pid].spec.targets} for pid in tail):
+        return []
+    specs = [_STATUS[pid].spec for pid in tail]
+    for pid in reversed(tail):
+        _CONTEXTS.pop(pid).undo()
+        _STATUS.pop(pid, None)
+    return sorted(specs, key=lambda s: pos.get(s.id, len(pos)))
 
 
 def apply_all(specs: Optional[list[PatchSpec]] = None, *, strict: bool = True) -> list[PatchStatus]:
