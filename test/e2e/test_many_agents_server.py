@@ -28,7 +28,9 @@ pytestmark = [pytest.mark.e2e, family_params("qwen35")]
 
 WL = many_agents.Workload(agents=16, rounds=3, context=352, message=16, new=4, seed=0)
 HOST_RATIO = 0.01  # the host buffer upstream makes of it: one page (ratio x pool + one page, whole pages)
-_EVICTED = re.compile(r"L3 write dropped: node .* was evicted from the device before its write staged")
+_EVICTED = re.compile(
+    r"L3 write dropped: node (\S+) \((\d+) tokens\) was evicted from the device before its write staged"
+)
 CAP = 32 * 2**20  # the store's byte cap; the agents' pages take about a third of it (about 11 MiB)
 
 
@@ -78,8 +80,11 @@ def test_sixteen_plain_agents_return_from_l3(tmp_path, cluster, reference):
         # staged (upstream pins it only from its D2H launch); on a loaded box that happened to
         # one of these 32 returns and the turn recomputed (same answer). Such a miss must be
         # one the server counted and logged, and rare; any other miss fails.
-        evicted = len(_EVICTED.findall(s.log_text()))
-        assert len(missed) <= min(evicted, 4), (missed, f"{evicted} writes swept with their nodes")
+        # A context's body is one node of >= 256 tokens (its KV and Mamba intents log one line
+        # each); the one-page tail nodes swept routinely cost no restore this test asks for.
+        evicted = len({n for n, t in _EVICTED.findall(s.log_text()) if int(t) >= 256})
+        why = re.findall(r"streamed restore (?:declined|truncated) .*", s.log_text())
+        assert len(missed) <= min(evicted, 4), (missed, f"{evicted} context bodies swept with their nodes", why)
         assert s.alive(), "server died (upstream's strict idle leak check?)"
         assert many_agents.pool_in_use(s) == 0, "device KV held outside the free list and the tree"
         used = many_agents.store_bytes(store)
