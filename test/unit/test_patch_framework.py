@@ -89,6 +89,27 @@ def test_reapplying_an_undone_patch_restores_the_series_nesting(clean) -> None:
     assert nesting() == ["t-ok", "t-top", "t-needs"]
 
 
+def test_undoing_a_patch_leaves_no_hook_of_its_dependants_behind(clean) -> None:
+    # t-needs requires t-ok, t-top comes after both; all three wrap Greeter.hello. Undoing
+    # t-ok removes t-needs too; t-top (applied on top of t-needs' wrapper) must not bring
+    # that wrapper back when it is undone and applied again.
+    series = [_spec("t-ok"), _spec("t-needs", requires=("t-ok",)), _spec("t-top")]
+
+    def nesting() -> list[str]:
+        fpt.NESTING.clear()
+        fpt.Greeter().hello("x")
+        return list(fpt.NESTING)
+
+    framework.apply_all(series)
+    assert nesting() == ["t-ok", "t-needs", "t-top"]
+    assert framework.undo("t-ok") == ["t-needs"]
+    assert nesting() == ["t-top"]
+    assert fpt.Greeter().hello("x") == "hello x!"
+    for spec in series[:2]:
+        framework.apply_one(spec, series)
+    assert nesting() == ["t-ok", "t-needs", "t-top"]
+
+
 def test_undo_removes_the_patches_that_require_it(clean) -> None:
     # t-needs requires t-ok and stacks on its targets: re-applying it would re-apply
     # t-ok (its requirement), so the negative control would silently keep t-ok

@@ -472,10 +472,6 @@ def apply_all(specs: Optional[list[PatchSpec]] = None, *, strict: bool = True) -
     return out
 
 
-def _targets_of(ctx: PatchContext) -> set[tuple[int, str]]:
-    return {(id(i.owner), i.attr) for i in ctx._installed if i.owner is not None}
-
-
 def _dependants(patch_id: str, ids: list[str]) -> list[str]:
     """The applied patches (in `ids`, application order) that require `patch_id`, directly or not."""
     out: list[str] = []
@@ -488,33 +484,31 @@ def _dependants(patch_id: str, ids: list[str]) -> list[str]:
 def undo(patch_id: str) -> list[str]:
     """Remove an applied patch (tests' negative controls in one process).
 
-    Patches applied later that hook one of the same targets wrap this patch's
-    wrapper, and restoring this patch's original would drop them too: they are
-    undone first and applied again afterwards, so only `patch_id` is removed.
-    Patches that require `patch_id` cannot stay without it (applying one applies
-    its requirements): they are removed too, and their ids returned, to apply
-    again after `patch_id`.
+    Patches applied later wrap hooks installed before them, and a wrapper undone in
+    the middle of a stack would be brought back by the undo of one above it (each
+    restores what it found when it was applied). So every patch applied from
+    `patch_id` on is undone, last first, and the others are applied again in series
+    order: only `patch_id` is removed, and the nesting is the series'. Patches that
+    require `patch_id` cannot stay without it (applying one applies its
+    requirements): they are removed too, and their ids returned, to apply again
+    after `patch_id`.
     """
     with _LOCK:
-        ctx = _CONTEXTS.get(patch_id)
-        if ctx is None:
+        if patch_id not in _CONTEXTS:
             _STATUS.pop(patch_id, None)
             return []
-        dependants = _dependants(patch_id, list(_CONTEXTS))
-        for pid in reversed(dependants):
-            _CONTEXTS.pop(pid).undo()
-            _STATUS.pop(pid, None)
         ids = list(_CONTEXTS)
-        mine = _targets_of(ctx)
-        stacked = [pid for pid in ids[ids.index(patch_id) + 1 :] if _targets_of(_CONTEXTS[pid]) & mine]
-        specs = [_STATUS[pid].spec for pid in stacked]
-        for pid in reversed(stacked):
+        dependants = _dependants(patch_id, ids)
+        gone = {patch_id, *dependants}
+        tail = ids[min(ids.index(p) for p in gone) :]
+        keep = [_STATUS[pid].spec for pid in tail if pid not in gone]
+        for pid in reversed(tail):
             _CONTEXTS.pop(pid).undo()
             _STATUS.pop(pid, None)
-        _CONTEXTS.pop(patch_id).undo()
-        _STATUS.pop(patch_id, None)
-        for spec in specs:
-            apply_one(spec)
+        order = load_series()
+        pos = {s.id: i for i, s in enumerate(order)}
+        for spec in sorted(keep, key=lambda s: pos.get(s.id, len(pos))):
+            apply_one(spec, order if spec.id in pos else None)
         return dependants
 
 
