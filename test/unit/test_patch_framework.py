@@ -35,6 +35,13 @@ def _spec(
     )
 
 
+def nesting() -> list[str]:
+    """The patch ids whose Greeter.hello wrapper ran, innermost first."""
+    fpt.NESTING.clear()
+    fpt.Greeter().hello("x")
+    return list(fpt.NESTING)
+
+
 @pytest.fixture
 def clean():
     yield
@@ -73,11 +80,6 @@ def test_reapplying_an_undone_patch_restores_the_series_nesting(clean) -> None:
     # not wrap them, or the rest of the suite runs a nesting no server runs.
     series = [_spec("t-ok"), _spec("t-top"), _spec("t-needs")]
 
-    def nesting() -> list[str]:
-        fpt.NESTING.clear()
-        fpt.Greeter().hello("x")
-        return list(fpt.NESTING)
-
     framework.apply_all(series)
     assert nesting() == ["t-ok", "t-top", "t-needs"]
     framework.undo("t-ok")
@@ -94,11 +96,6 @@ def test_undoing_a_patch_leaves_no_hook_of_its_dependants_behind(clean) -> None:
     # t-ok removes t-needs too; t-top (applied on top of t-needs' wrapper) must not bring
     # that wrapper back when it is undone and applied again.
     series = [_spec("t-ok"), _spec("t-needs", requires=("t-ok",)), _spec("t-top")]
-
-    def nesting() -> list[str]:
-        fpt.NESTING.clear()
-        fpt.Greeter().hello("x")
-        return list(fpt.NESTING)
 
     framework.apply_all(series)
     assert nesting() == ["t-ok", "t-needs", "t-top"]
