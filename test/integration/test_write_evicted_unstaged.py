@@ -4,9 +4,9 @@
 Upstream pins a buffer-mode node only from its D2H launch; an intent still queued
 when its node leaves the device is swept at the next flush (`_split_pieces` finds
 nothing left), and the context is not in L3. Under load, with a host buffer of a
-page and a restore holding it, that happened to one of 32 returning agents in
-test/e2e/test_many_agents_server.py: the turn was recomputed and nothing said why.
-The sweep is upstream's; this checks that it is counted, once per swept intent,
+page, that is the likely cause of one of 32 returning agents recomputing in
+test/e2e/test_many_agents_server.py in CI (inferred; that run's log is gone).
+The sweep is upstream's; this checks that it is counted
 and that nothing of the node reached the store (a fresh reader restores 0), while
 the same write flushed before the eviction restores whole (the control).
 

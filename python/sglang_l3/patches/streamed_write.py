@@ -29,8 +29,8 @@ swept with its evicted node; backlog cap; an aux pool too big) is counted by rea
 in `l3_write_dropped{reason}`. So is a queued write whose node the device evicted
 before it staged (`evicted`: upstream's `_split_pieces` finds nothing left and sweeps
 the intent; upstream pins a node only from its D2H launch, so under load, with a
-small host buffer and restores holding it, a context can leave the device before its
-write reached L3 and is recomputed when it returns).
+small host buffer, the next request's prefill or a restore can take its rows before its
+write reached L3, and the context is recomputed when it returns).
 """
 
 from __future__ import annotations
