@@ -123,7 +123,10 @@ class Burst:
                 assert time.monotonic() < deadline, "the prefix never reached L3"
                 time.sleep(0.5)
             tmp = self.root / "prefix-store.tmp"
-            shutil.copytree(store, tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+            # the server may still be writing other pages (the answer's): its staging files
+            # come and go, published pages are renamed in whole
+            shutil.copytree(store, tmp, ignore=lambda d, names: ["tmp"] if Path(d) == store else [])
             os.replace(tmp, self.snapshot)
         assert self.stored(store)
 
