@@ -40,6 +40,7 @@ SIM_FILES = {
     "test_streamed_restore_burst.py",
     "test_streamed_restore_evict.py",
     "test_streamed_restore_short.py",
+    "test_streamed_restore_waits_write.py",
     "test_streamed_write.py",
     "test_streamed_write_parent.py",
     "test_write_path.py",

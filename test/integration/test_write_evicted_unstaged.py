@@ -1,14 +1,16 @@
-"""A queued L3 write whose node the device evicts before it stages is counted
-(`streamed-write`, `l3_write_dropped{evicted}`).
+"""A node whose L3 write is still queued stays on the device until the write staged
+(patch `write-guard`); without the guard the write is swept with its evicted node and
+counted (`streamed-write`, `l3_write_dropped{evicted}`).
 
 Upstream pins a buffer-mode node only from its D2H launch; an intent still queued
 when its node leaves the device is swept at the next flush (`_split_pieces` finds
 nothing left), and the context is not in L3. Under load, with a host buffer of a
-page, that is the likely cause of one of 32 returning agents recomputing in
+page, that was the likely cause of one of 32 returning agents recomputing in
 test/e2e/test_many_agents_server.py in CI (inferred; that run's log is gone).
-The sweep is upstream's; this checks that it is counted
-and that nothing of the node reached the store (a fresh reader restores 0), while
-the same write flushed before the eviction restores whole (the control).
+With the guard, an eviction while the write is queued leaves the node, the write
+stages at the next flush and a fresh reader restores all of it; with the guard
+undone (the negative control), nothing of the node reaches the store and the sweep
+is counted. The same write flushed before the eviction restores whole either way.
 
 Real upstream stack on CPU (`L3Stack`), both tree cores, page 64.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 from sglang_l3 import metrics
+from sglang_l3.patches import write_guard
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
 
 PAGE = 64
@@ -24,7 +27,7 @@ SPEC = HybridSpec(page_size=PAGE, kv_size=2048, max_context_len=2048)
 SEQ = list(range(5, 5 + 5 * PAGE))
 
 
-def _write_then_evict(tmp_path, core: str, *, flush_first: bool) -> float:
+def _write_then_evict(tmp_path, core: str, *, flush_first: bool, guarded: bool = True) -> float:
     """Write SEQ (queued), evict the device, then flush; returns the evicted count."""
     with L3Stack(SPEC, str(tmp_path), tree_core=core) as w:
         pipe = w.cache.buffer_pipeline
@@ -32,10 +35,18 @@ def _write_then_evict(tmp_path, core: str, *, flush_first: bool) -> float:
         w.write(SEQ, marker=2.0, flush=flush_first)
         if not flush_first:
             assert pipe.pending_write_queue, "the write must still be queued (not staged)"
-        w.evict_all()
-        assert w.match(SEQ).device_prefix_len == 0, "the node must have left the device"
+            assert bool(write_guard.guarded_nodes(pipe)) == guarded
+        w.evict_all(stage_queued_writes=False)
+        kept = w.match(SEQ).device_prefix_len
+        if flush_first or not guarded:
+            assert kept == 0, "the node must have left the device"
+        else:
+            assert kept == len(SEQ), "a node whose write is queued must stay on the device"
         w.settle(timeout=120)
         assert not pipe.pending_write_queue and not pipe.inflight_backup_pools
+        assert not write_guard.guarded_nodes(pipe)
+        w.evict_all()
+        assert w.match(SEQ).device_prefix_len == 0
         assert w.pool_sizes() == w.baseline
         return metrics.get("l3_write_dropped", "evicted") - before
 
@@ -51,8 +62,15 @@ def _restorable(tmp_path, core: str) -> int:
 
 
 @pytest.mark.parametrize("core", TREE_CORES)
-def test_a_write_swept_with_its_evicted_node_is_counted(tmp_path, core: str) -> None:
-    swept = _write_then_evict(tmp_path, core, flush_first=False)
+def test_a_queued_write_keeps_its_node_until_it_staged(tmp_path, core: str) -> None:
+    assert _write_then_evict(tmp_path, core, flush_first=False) == 0
+    assert _restorable(tmp_path, core) == len(SEQ), "the guarded write must reach the store whole"
+
+
+@pytest.mark.parametrize("without", ["write-guard"], indirect=True)
+@pytest.mark.parametrize("core", TREE_CORES)
+def test_negative_control_without_guard_the_write_is_swept_and_counted(tmp_path, core: str, without) -> None:
+    swept = _write_then_evict(tmp_path, core, flush_first=False, guarded=False)
     assert swept >= 1, "the swept write was not counted"
     assert _restorable(tmp_path, core) == 0, "nothing of the swept node may be in the store"
 
@@ -61,3 +79,41 @@ def test_a_write_staged_before_the_eviction_is_kept_and_not_counted(tmp_path) ->
     swept = _write_then_evict(tmp_path, "rust", flush_first=True)
     assert swept == 0
     assert _restorable(tmp_path, "rust") == len(SEQ)
+
+
+def test_the_guard_gives_way_to_a_staged_restore_that_holds_host_staging(tmp_path) -> None:
+    """The valve: a staged restore holds the host staging a guarded write needs, and at
+    admission it may need the guarded rows. After `VALVE_FLUSHES` flushes without
+    progress the guards are released (counted), the node may be evicted, and its write
+    is swept and counted as without the guard; nothing leaks."""
+    a = list(range(9000, 9000 + 8 * PAGE))
+    with L3Stack(SPEC, str(tmp_path), tree_core="rust") as w:
+        w.write(a, marker=1.0)
+        w.settle(timeout=120)
+    with L3Stack(SPEC, str(tmp_path), tree_core="rust", server_args={"hicache_ratio": 0.25}) as r:
+        pipe = r.cache.buffer_pipeline
+        cc = r.cache.cache_controller
+        cc.prefetch_capacity_limit = cc.mem_pool_host.size
+        h, loaded = r.prefetch(a, "staged")
+        assert loaded == len(a) and pipe.has_staged(h), "the restore must be staged, holding host staging"
+        r.write(SEQ, marker=2.0, flush=False)
+        assert write_guard.guarded_nodes(pipe)
+        c0 = metrics.snapshot()
+        for _ in range(write_guard.VALVE_FLUSHES - 1):
+            pipe.flush_pending_writes()
+        assert pipe.pending_write_queue, "the write must wait for host staging"
+        assert write_guard.guarded_nodes(pipe), "the guard must hold before the valve opens"
+        r.evict_all(stage_queued_writes=False)
+        assert r.match(SEQ).device_prefix_len == len(SEQ)
+        pipe.flush_pending_writes()
+        assert not write_guard.guarded_nodes(pipe), "the valve must release the guards"
+        assert metrics.get("l3_write_guard", "released") == c0.get("l3_write_guard{released}", 0) + 1
+        r.evict_all(stage_queued_writes=False)
+        assert r.match(SEQ).device_prefix_len == 0
+        pipe.flush_pending_writes()
+        assert metrics.get("l3_write_dropped", "evicted") > c0.get("l3_write_dropped{evicted}", 0)
+        assert not pipe.pending_write_queue
+        pipe.release_staged_hold(h)
+        r.settle(timeout=120)
+        r.evict_all()
+        assert r.pool_sizes() == r.baseline

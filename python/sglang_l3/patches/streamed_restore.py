@@ -45,6 +45,9 @@ own rather than by upstream's prefetch thread):
   a piece (cut, or revoked and recomputed),
   abort (upstream retires the op; our tick sees it gone), a staged hold released
   (abort, shrunk, device capacity), or `reset` (pools are cleared wholesale there).
+- Rows held for queued L3 writes (patch write-guard): when they are what keeps the
+  hit from fitting, the op stays parked (holding nothing) and is retried every tick;
+  `l3_stream_restore{waited_write}` counts the ops that waited.
 - Short device pool: when free + evictable device tokens cannot take the whole hit,
   the op is cut to the longest part ending at a stored Mamba checkpoint that fits
   (a hybrid prefix is only usable there); the request computes the rest. The fit and
@@ -70,6 +73,7 @@ import torch
 
 from sglang_l3 import metrics
 from sglang_l3.device_reads import host_copy
+from sglang_l3.patches import write_guard
 from sglang_l3.patches.framework import PatchContext
 
 logger = logging.getLogger("sglang_l3.streamed_restore")
@@ -280,7 +284,9 @@ def _truncate(cache: Any, op: Any, pages: int, reason: str = "device_capacity") 
 
 
 UPSTREAM = "upstream"  # _start's verdict: the (truncated) hit now fits the host arena
+WAIT = "wait"  # _start's verdict: park the hit, the device frees rows for it soon
 _FLAGS = "_l3_restorable_flags"
+_WAITED = "_l3_waited_write"
 
 
 def _device_fit(pipe: Any, op: Any, hit_tokens: int) -> int:
@@ -339,6 +345,21 @@ def _start(pipe: Any, op: Any, hit_tokens: int) -> Stream | str | None:
         decline("host_too_small")
         return None
     fit = _device_fit(pipe, op, hit_tokens)
+    if fit < hit_tokens and fit + write_guard.write_held_tokens(pipe) >= hit_tokens:
+        # Rows the device keeps for L3 writes (queued: patch write-guard; D2H in flight:
+        # upstream's lock) would make it fit: wait for them (parked, holding nothing)
+        # instead of cutting the hit; they go as the writes stage and their D2H copies
+        # land, and the guard's valve opens them if a staged restore blocks the queue.
+        if not op.__dict__.get(_WAITED):
+            op.__dict__[_WAITED] = True
+            metrics.inc("l3_stream_restore", "waited_write")
+            logger.info(
+                "streamed restore waits req=%s hit=%d fit=%d: rows held for queued L3 writes",
+                handle.rid,
+                hit_tokens,
+                fit,
+            )
+        return WAIT
     if fit == 0:
         decline("device_short")
         return None
@@ -626,6 +647,9 @@ def apply(ctx: PatchContext) -> None:
             started = _start(self, op, hit_tokens)
             if started is None:
                 return orig(self, op, info, hit_tokens, aux_hit_tokens)  # upstream declines
+            if started == WAIT:
+                self.release_anchor_lock(op.handle)
+                return False
             if started == UPSTREAM:
                 # Truncated to a hit the host arena takes whole: upstream's own path.
                 hit_tokens = op.storage_hit_count

@@ -590,9 +590,20 @@ class L3Stack:
                 return
             time.sleep(0.005)
 
-    def evict_all(self) -> None:
+    def evict_all(self, *, stage_queued_writes: bool = True) -> None:
+        """Evict everything evictable. A node whose L3 write is still queued stays on the
+        device until the write staged (patch write-guard); by default the queue is staged
+        first, as a busy server's next eviction would find it."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
+        bp = self.cache.buffer_pipeline
+        if stage_queued_writes and bp is not None and bp.pending_write_queue:
+            bp.flush_pending_writes()
+            _pump(
+                self.cache,
+                lambda: not bp.pending_write_queue and not bp.ongoing_write_through,
+                "queued L3 writes to stage before the eviction",
+            )
         self.cache.evict(EvictParams(num_tokens=self.spec.kv_size, mamba_num=self.spec.mamba_cache_size))
 
     def scribble(self) -> None:
