@@ -84,8 +84,20 @@ def test_child_written_behind_a_parent_still_in_flight(tmp_path, core: str) -> N
 
 
 def test_without_the_fix_the_child_is_dropped(tmp_path, monkeypatch) -> None:
-    """Negative control: upstream's ack clears the in-flight mark after the first window."""
+    """Negative control: upstream's ack clears the in-flight mark after the first window.
+
+    Without the fix, C is dropped only when it reaches the FIFO head after a window's
+    storage ack cleared P's mark and before P's last window is acked: on the simulated
+    device that interleaving depends on when acks land (a full seed-3 run missed it
+    once; 9 runs of it alone did not). So the control gets three fresh runs and needs the drop, and
+    the restore of P alone, in one of them; the fixed path must never drop (above,
+    every seed)."""
     monkeypatch.setattr(sw, "_keep_inflight_while_windows_remain", lambda pipe, intent: None)
-    parent, seq, want, drops = _write_parent_then_child(tmp_path, "rust")
-    assert drops >= 1
-    assert _restore(tmp_path, "rust", seq, want) == len(parent)
+    seen = []
+    for attempt in range(3):
+        parent, seq, want, drops = _write_parent_then_child(tmp_path / f"w{attempt}", "rust")
+        seen.append(drops)
+        if drops >= 1:
+            assert _restore(tmp_path / f"w{attempt}", "rust", seq, want) == len(parent)
+            return
+    pytest.fail(f"without the fix C was never dropped in {len(seen)} runs (drops per run: {seen})")
