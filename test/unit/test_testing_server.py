@@ -120,15 +120,23 @@ def test_low_host_memory_start_is_retried(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_cpu_seconds_counts_the_process_tree(tmp_path: Path) -> None:
+    # The grandchild burns its CPU only once told to, after the first reading: on a busy
+    # box it may still be starting when the server reports ready, and a burn that began
+    # before c0 would be partly inside it (CI saw 0.17 s of it there, the rest never
+    # reached 0.25 s, and the grandchild had exited by the deadline).
+    go = tmp_path / "go"
     fake = _fake_launcher(
         tmp_path,
         'echo "The server is fired up and ready to roll!"\n'
         f"{sys.executable} - <<'EOF' &\n"
-        "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\ntime.sleep(60)\n"
+        "import os, time\n"
+        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.01)\n"
+        "t = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\ntime.sleep(600)\n"
         "EOF\nwait",
     )
     with Server(ServerConfig(), tmp_path / "server.log", startup_timeout=60, python=fake) as s:
         c0 = s.cpu_seconds()
+        go.touch()
         deadline = speed.scaled(60)
         t0 = time.monotonic()
         while s.cpu_seconds() - c0 < 0.25 and time.monotonic() - t0 < deadline:
