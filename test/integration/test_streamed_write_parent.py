@@ -89,9 +89,9 @@ def test_without_the_fix_the_child_is_dropped(tmp_path, monkeypatch) -> None:
     Without the fix, C is dropped only when it reaches the FIFO head after a window's
     storage ack cleared P's mark and before P's last window is acked: on the simulated
     device that interleaving depends on when acks land (a full seed-3 run missed it
-    once; 9 runs of it alone did not). So the control gets three fresh runs and needs the drop, and
-    the restore of P alone, in one of them; the fixed path must never drop (above,
-    every seed)."""
+    once; 9 runs of it alone did not). So the control gets three fresh runs and needs
+    the drop, and the restore of P alone, in one of them; the fixed path must never
+    drop (above, every seed)."""
     monkeypatch.setattr(sw, "_keep_inflight_while_windows_remain", lambda pipe, intent: None)
     seen = []
     for attempt in range(3):
