@@ -1,6 +1,8 @@
 """Issue 24: two or three requests for one long L3 prefix, the later ones arriving
 while the first one's streamed restore is in flight, on a device pool too short for
-two copies of the prefix (`l3_stream_restore{truncated_device}` before the fix).
+two copies of the prefix (`l3_stream_restore{truncated_device}` before the fix; since
+a hit the pool could hold waits for rows instead of being cut, the tests of what follows
+a cut turn that wait off).
 
 Real upstream stack on CPU (`L3Stack`) and the real admission path
 (`SchedulerHarness`), the server's sizes: page 64, device pool 4096, host buffer
@@ -14,6 +16,7 @@ from __future__ import annotations
 import pytest
 from sglang_l3 import metrics
 from sglang_l3.patches import framework
+from sglang_l3.patches import streamed_restore as sr
 from sglang_l3.patches.streamed_restore import lane_of
 
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack, wait_for_work
@@ -112,33 +115,60 @@ def _burst(tmp_path, core: str, n: int, shared: bool, after_pass=None, passes: i
     return got, delta
 
 
+# The fallback for a hit larger than the whole device pool: cut it to what the pool
+# has left now. These requests fit the pool, so a hit waits for rows instead; the
+# tests of what follows a cut (a second stream holding rows the head needs) turn the
+# wait off to get there.
+def _cut_instead_of_waiting(monkeypatch) -> None:
+    monkeypatch.setattr(sr, "waits_for_rows", lambda cache, hit_tokens: False)
+
+
 @pytest.mark.all_seeds(core=("rust",), n=(2,))
 @pytest.mark.parametrize("core", TREE_CORES)
 @pytest.mark.parametrize("n", (2, 3))
 @pytest.mark.parametrize("shared", (True, False), ids=("one-prefix", "two-prefixes"))
 def test_burst_is_served(tmp_path, core: str, n: int, shared: bool) -> None:
     """One prefix: X1 restores it (one stream, never truncated), X2/X3 wait for it and
-    share it from the tree. Two prefixes (X1, X3 on A, X2 on B): X2's stream is cut to
-    what the pool has left beside X1's and yields its rows when X1 cannot be admitted."""
+    share it from the tree. Two prefixes (X1, X3 on A, X2 on B): the pool has no room for
+    B beside X1's stream, so X2's hit waits, parked and holding nothing, until X1's rows
+    go, then restores B whole; nothing is cut."""
     got, delta = _burst(tmp_path, core, n, shared)
     assert got["X1"][0] == PREFIX, got
-    assert delta.get("l3_stream_restore{restored}") == 1, delta
     assert not delta.get("l3_wait_abandoned"), delta
+    assert not delta.get("l3_stream_restore{truncated_device}"), delta
     if shared:
         assert all(got[f"X{i + 1}"][0] == PREFIX for i in range(n)), got
+        assert delta.get("l3_stream_restore{restored}") == 1, delta
         assert delta.get("l3_stream_restore{started}") == 1, delta
         assert delta.get("l3_stream_restore{wait_shared}") == 1, delta
-        assert not delta.get("l3_stream_restore{truncated_device}"), delta
     else:
-        assert delta.get("l3_stream_yield") == 1, delta
+        assert got["X2"][0] == PREFIX, got
+        assert delta.get("l3_stream_restore{waited_busy}", 0) >= 1, delta
+        assert delta.get("l3_stream_restore{restored}") == delta.get("l3_stream_restore{started}"), delta
+
+
+@pytest.mark.all_seeds(n=(2,))
+@pytest.mark.parametrize("n", (2, 3))
+def test_a_cut_stream_yields_its_rows(tmp_path, monkeypatch, n: int) -> None:
+    """Two prefixes with the wait off: X2's stream of B is cut to what the pool has left
+    beside X1's, and yields its rows when X1 cannot be admitted."""
+    _cut_instead_of_waiting(monkeypatch)
+    got, delta = _burst(tmp_path, "rust", n, False)
+    assert got["X1"][0] == PREFIX, got
+    assert delta.get("l3_stream_restore{restored}") == 1, delta
+    assert delta.get("l3_stream_restore{truncated_device}"), delta
+    assert delta.get("l3_stream_yield") == 1, delta
+    assert not delta.get("l3_wait_abandoned"), delta
 
 
 @pytest.mark.parametrize("shared", (True, False), ids=("one-prefix", "two-prefixes"))
 def test_without_the_fix_the_burst_hangs(tmp_path, monkeypatch, shared: bool) -> None:
     """Negative control: with stream-share undone (one prefix) or its yield disabled
-    (two prefixes) X1 waits at the head of the queue for rows X2's staged stream holds."""
+    (two prefixes), and hits cut instead of waiting, X1 waits at the head of the queue
+    for rows X2's staged stream holds."""
     import sglang_l3.patches.stream_share as ss
 
+    _cut_instead_of_waiting(monkeypatch)
     if shared:
         framework.undo("stream-share")
     else:
@@ -176,7 +206,7 @@ class _HangClock:
 @pytest.mark.l3_wait_abandoned_expected
 def test_watchdog_ends_the_hang(tmp_path, monkeypatch) -> None:
     """The watchdog (SGLANG_L3_VERIFY=1 in a server; called directly here) with the fix
-    undone: X2 waits on L3 (its staged stream) past budget + margin on an idle
+    undone (and hits cut instead of waiting): X2 waits on L3 (its staged stream) past budget + margin on an idle
     scheduler; it is abandoned, its rows come back, X1 and then X2 are computed right.
     Under some seeds X1 is staged too when the hang starts (its hold not yet dropped):
     then it waits on L3 as long as X2 and is abandoned in the same pass. Either way
@@ -184,6 +214,7 @@ def test_watchdog_ends_the_hang(tmp_path, monkeypatch) -> None:
     from sglang_l3.patches import l3_wait_watchdog as wd
 
     monkeypatch.setenv(wd.MARGIN_ENV, "0.5")
+    _cut_instead_of_waiting(monkeypatch)
     abandoned: list = []
     clock = _HangClock()
 
@@ -253,7 +284,8 @@ class _Reported(Exception):
 
 @pytest.mark.l3_wait_abandoned_expected
 def test_watchdog_detect_mode_logs_and_changes_nothing(tmp_path, monkeypatch, caplog) -> None:
-    """The watchdog's default mode (no SGLANG_L3_VERIFY) with the fix undone: once X2
+    """The watchdog's default mode (no SGLANG_L3_VERIFY) with the fix undone (and hits
+    cut instead of waiting): once X2
     has idle-waited past budget + margin, one warning names X2, its stream and how long,
     and `l3_wait_overdue` rises by 1; no collective runs, nothing is released, X2 stays
     queued on its stream, and later passes do not report it again. (X1, when staged in
@@ -264,6 +296,7 @@ def test_watchdog_detect_mode_logs_and_changes_nothing(tmp_path, monkeypatch, ca
 
     monkeypatch.setenv(wd.MARGIN_ENV, "0.5")
     monkeypatch.delenv("SGLANG_L3_VERIFY", raising=False)
+    _cut_instead_of_waiting(monkeypatch)
     assert not wd.verify_mode()
     reported: list = []
     seen: dict = {}

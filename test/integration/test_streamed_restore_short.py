@@ -1,17 +1,24 @@
-"""Streamed restore on a short device pool (`streamed-restore`, issue 11): when the
-device pool cannot take the whole storage hit, the longest part ending at a stored
-Mamba checkpoint that fits is restored and the request computes the rest.
+"""Streamed restore when the device pool cannot take the whole storage hit now
+(`streamed-restore`, issue 11; issue 30's quarter-buffer Hermes run).
 
-Real upstream stack on CPU (`L3Stack`) and the real admission path
-(`SchedulerHarness`: `_add_request_to_queue` → `_prefetch_kvcache` →
-`_get_new_batch_prefill_raw`, `PrefillAdder.add_one_req`), page sizes 1 and 64, both tree cores. A
-conversation is written in two turns (checkpoints at the end of turn 1 and of
-turn 2); a fresh reader whose device pool is mostly held by another request
-restores turn 1 only — KV and the node's and request's Mamba slots bit-exact at
-the truncation point, the request bound to turn 1's node — and computes turn 2.
-Turn 1 longer than the host buffer streams; shorter, it goes through upstream's
-own staged prefetch. Negative control: the all-or-nothing device decision of
-before (`_device_fit` returning 0 when the whole hit does not fit) restores 0.
+Real upstream stack on CPU (`L3Stack`) and the real admission path (`SchedulerHarness`:
+`_add_request_to_queue` → `_prefetch_kvcache` → `_get_new_batch_prefill_raw`,
+`PrefillAdder.add_one_req`), page sizes 1 and 64, both tree cores. A conversation is
+written in two turns (checkpoints at the end of turn 1 and of turn 2); a fresh reader's
+device pool is mostly held by another request.
+
+- `wait`: the pool could hold the whole hit, so it waits, parked and holding nothing
+  (`waited_busy`; nothing cut, nothing restored yet), until the other request's rows
+  go; then the whole context is restored: KV and the request's Mamba slot bit-exact
+  at turn 2. (The request could not be admitted earlier: admission needs its whole
+  remaining prompt on the device.)
+- `cut`, the fallback for a hit the whole pool could not hold (here: the wait turned
+  off): the longest part ending at a stored checkpoint that fits is restored, turn 1,
+  KV and the node's and request's Mamba slots bit-exact there, the request bound to
+  turn 1's node, and turn 2 is computed. Turn 1 longer than the host buffer streams;
+  shorter, it goes through upstream's own staged prefetch; no checkpoint fits:
+  declined. Negative control of the cut: the all-or-nothing device decision of before
+  (`_device_fit` returning 0 when the whole hit does not fit) restores 0.
 """
 
 from __future__ import annotations
@@ -38,16 +45,18 @@ def _all_or_nothing(orig):
 @pytest.mark.parametrize("core", TREE_CORES)
 @pytest.mark.parametrize("page", (1, 64))
 @pytest.mark.parametrize(
-    "turn1, free, truncate",
+    "turn1, free, mode",
     [
-        (1536, 2048, True),  # restorable part > host buffer: streamed
-        (512, 1024, True),  # restorable part fits the host buffer: upstream's path
-        (1536, 1024, True),  # no stored checkpoint fits: declined, recompute
-        (1536, 2048, False),  # negative control: all-or-nothing → recompute
+        (1536, 2048, "wait"),  # waits for the other request, then restores the whole hit
+        (1536, 1024, "wait"),  # no checkpoint fits now: waits all the same
+        (1536, 2048, "cut"),  # restorable part > host buffer: streamed
+        (512, 1024, "cut"),  # restorable part fits the host buffer: upstream's path
+        (1536, 1024, "cut"),  # no stored checkpoint fits: declined, recompute
+        (1536, 2048, "all-or-nothing"),  # negative control of the cut: recompute
     ],
 )
 def test_short_device_pool_restores_the_longest_part_that_fits(
-    tmp_path, monkeypatch, core: str, page: int, turn1: int, free: int, truncate: bool
+    tmp_path, monkeypatch, core: str, page: int, turn1: int, free: int, mode: str
 ) -> None:
     from sglang_l3.testing.scheduler_harness import SchedulerHarness
 
@@ -55,10 +64,12 @@ def test_short_device_pool_restores_the_longest_part_that_fits(
     writer = HybridSpec(page_size=page, kv_size=8192, max_context_len=4096)
     with L3Stack(writer, str(tmp_path), tree_core=core, server_args=ARGS) as w:
         want1 = w.write(seq[:turn1], marker=3.0)
-        w.write(seq, marker=4.0)
+        want2 = w.write(seq, marker=4.0)
         w.settle()
         assert not w.cache.buffer_pipeline.inflight_backup_pools
-    if not truncate:
+    if mode != "wait":
+        monkeypatch.setattr(sr, "waits_for_rows", lambda cache, hit_tokens: False)
+    if mode == "all-or-nothing":
         monkeypatch.setattr(sr, "_device_fit", _all_or_nothing(sr._device_fit))
 
     spec = HybridSpec(page_size=page, kv_size=4096, max_context_len=4096)
@@ -74,14 +85,38 @@ def test_short_device_pool_restores_the_longest_part_that_fits(
         c0 = metrics.snapshot()
         req = h.make_req(seq + [3, 4, 5])
         h.arrive(req)
-        h.wait_prefetch(req)
+        if mode == "wait":
+            waited = "l3_stream_restore{waited_busy}"
+            h.pump(lambda: metrics.get("l3_stream_restore", "waited_busy") > c0.get(waited, 0), "the hit parked")
+            for _ in range(3):  # more ticks: it stays parked, holding nothing
+                st.cache.check_hicache_events()
+                assert not st.cache.check_prefetch_progress(req.cache_request_handle)
+            assert not lane_of(st.cache.buffer_pipeline).streams
+            assert st.allocator.available_size() == free, "a parked hit holds no rows"
+            st.allocator.free(hog)  # the other request finishes
+            h.wait_prefetch(req)
+        else:
+            h.wait_prefetch(req)
+            st.allocator.free(hog)  # the other request finishes
         c1 = metrics.snapshot()
         delta = {k: c1.get(k, 0) - c0.get(k, 0) for k in c1}
-        # The other request finishes; ours is admitted.
-        st.allocator.free(hog)
         batch = h.admit()
         assert batch is not None and req in batch.reqs
-        if not truncate or free < turn1:
+        if mode == "wait":
+            assert req.prefix_len == CONTEXT, (req.prefix_len, delta)
+            assert delta.get(waited) == 1, delta
+            assert not delta.get("l3_stream_restore{truncated_device}"), delta
+            assert not delta.get("l3_stream_restore{declined_device_short}"), delta
+            h.pump(lambda: not st.cache.buffer_pipeline.ongoing_buffer_load_back, "load-back ack")
+            m = st.match(seq)
+            assert m.device_prefix_len == CONTEXT
+            got = st.snapshot(m.last_device_node, st.node_mamba_slot(m.last_device_node))
+            k, v = st.expected_kv(seq)
+            assert got.k.equal(k) and got.v.equal(v), "restored KV differs"
+            assert got.equal(want2), "node Mamba slot differs from turn 2's checkpoint"
+            slot = int(req.kv.mamba_pool_idx)
+            assert all(a.equal(b) for a, b in zip(h.mamba_state(slot), want2.mamba)), "request Mamba slot differs"
+        elif mode == "all-or-nothing" or free < turn1:
             assert req.prefix_len == 0, "the stream must be declined"
             assert delta.get("l3_stream_restore{declined_device_short}") == 1
             assert not delta.get("l3_stream_restore{truncated_device}")
@@ -121,4 +156,57 @@ def test_short_device_pool_restores_the_longest_part_that_fits(
         assert pipe.anchor_locked_tokens_ == 0
         assert cc.prefetch_tokens_occupied == 0
         st.cache.sanity_check()
+        assert st.pool_sizes() == st.baseline, "a pool did not return to its baseline"
+
+
+@pytest.mark.parametrize("restart", (True, False), ids=("budget-restarts", "negative-control"))
+def test_a_waiting_hit_keeps_its_timeout_budget(tmp_path, monkeypatch, restart: bool) -> None:
+    """Under `--hicache-storage-prefetch-policy timeout` the budget is the store read's:
+    a hit parked for device rows (longer than the whole budget here) is not cut off by
+    it, and is restored whole once the rows go. Negative control: with the budget left
+    running, the deadline expires while it waits and the request recomputes everything."""
+    import time
+
+    from sglang_l3.testing.scheduler_harness import SchedulerHarness
+
+    page, free = 64, 1024
+    seq = list(range(5, 5 + CONTEXT))
+    writer = HybridSpec(page_size=page, kv_size=8192, max_context_len=4096)
+    with L3Stack(writer, str(tmp_path), tree_core="rust", server_args=ARGS) as w:
+        w.write(seq[:1536], marker=3.0)
+        w.write(seq, marker=4.0)
+        w.settle()
+    if not restart:
+        monkeypatch.setattr(sr, "_restart_budget", lambda cache, handle: None)
+    spec = HybridSpec(page_size=page, kv_size=4096, max_context_len=4096)
+    with L3Stack(spec, str(tmp_path), tree_core="rust", server_args=ARGS) as st:
+        cache = st.cache
+        cache.prefetch_stop_policy = "timeout"
+        cache.prefetch_timeout_base, cache.prefetch_timeout_per_page = 0.3, 0.0
+        hog = st.allocator.alloc(spec.kv_size - free)
+        st.scribble()
+        h = SchedulerHarness(st, chunked_prefill_size=4096)
+        req = h.make_req(seq + [3, 4, 5])
+        h.arrive(req)
+        handle = req.cache_request_handle
+        end = time.monotonic() + 1.5  # five budgets
+        done = False
+        while time.monotonic() < end and not done:
+            cache.check_hicache_events()
+            done = cache.check_prefetch_progress(handle)
+            time.sleep(0.02)
+        st.allocator.free(hog)
+        if restart:
+            assert not done, "the deadline cut off a hit waiting for device rows"
+            # the read itself gets a budget a busy machine cannot miss
+            cache._storage_prefetch_wait[handle].timeout_s = 600.0
+            h.wait_prefetch(req)
+        batch = h.admit()
+        assert batch is not None and req in batch.reqs
+        assert req.prefix_len == (CONTEXT if restart else 0), req.prefix_len
+        h.forward(batch)
+        h.finish(req)
+        st.evict_all()
+        st.settle()
+        assert not lane_of(cache.buffer_pipeline).streams
         assert st.pool_sizes() == st.baseline, "a pool did not return to its baseline"

@@ -8,14 +8,16 @@ has just computed another 2,048-token context whose L3 write is still queued, so
 rows stay on the device (the guard). The hit waits, parked (`waited_write`), the other
 context's write stages, its rows become evictable and the whole hit is restored:
 KV bit-exact, the request's Mamba slot equal to the 3,072 checkpoint, nothing cut, and
-the other context is in the store too. Negative control: with the wait off (the guard's
-rows not counted) the hit is cut to the 1,536 checkpoint (`truncated_device`).
+the other context is in the store too. Negative control: with the wait off (a hit the
+device cannot take now is cut, as before) the hit is cut to the 1,536 checkpoint
+(`truncated_device`).
 """
 
 from __future__ import annotations
 
 import pytest
 from sglang_l3 import metrics
+from sglang_l3.patches import streamed_restore as sr
 from sglang_l3.patches import write_guard
 from sglang_l3.patches.streamed_restore import lane_of
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
@@ -40,7 +42,7 @@ def test_a_hit_waits_for_rows_held_by_queued_writes(tmp_path, monkeypatch, core:
         want = w.write(seq, marker=4.0)
         w.settle()
     if not wait:
-        monkeypatch.setattr(write_guard, "write_held_tokens", lambda pipe: 0)
+        monkeypatch.setattr(sr, "waits_for_rows", lambda cache, hit_tokens: False)
 
     spec = HybridSpec(page_size=PAGE, kv_size=4096, max_context_len=4096)
     with L3Stack(spec, str(tmp_path), tree_core=core, server_args=ARGS) as st:

@@ -45,13 +45,20 @@ own rather than by upstream's prefetch thread):
   a piece (cut, or revoked and recomputed),
   abort (upstream retires the op; our tick sees it gone), a staged hold released
   (abort, shrunk, device capacity), or `reset` (pools are cleared wholesale there).
-- Rows held for queued L3 writes (patch write-guard): when they are what keeps the
-  hit from fitting, the op stays parked (holding nothing) and is retried every tick;
-  `l3_stream_restore{waited_write}` counts the ops that waited.
-- Short device pool: when free + evictable device tokens cannot take the whole hit,
-  the op is cut to the longest part ending at a stored Mamba checkpoint that fits
-  (a hybrid prefix is only usable there); the request computes the rest. The fit and
-  the per-length restorable flags are MIN-reduced across TP ranks in one collective.
+- Busy device rows: when free + evictable device tokens cannot take the whole hit
+  but the device pool could (other requests, streams or queued L3 writes hold the
+  rest), the op stays parked (holding nothing) and is retried every tick until they
+  free: the request could not be admitted before then anyway (admission needs its
+  whole remaining prompt on the device), and a hit cut to what fits now would
+  recompute the rest. While it waits for rows, upstream's `timeout` budget restarts
+  (it is the store read's budget, as on upstream's own staged path, where admission
+  defers on device capacity after the read). Counted once per op in
+  `l3_stream_restore{waited_write}` (rows held for queued L3 writes, patch
+  write-guard, would make it fit) or `{waited_busy}` (other rows).
+- Short device pool: when the hit is larger than the whole device pool, the op is
+  cut to the longest part ending at a stored Mamba checkpoint that fits (a hybrid
+  prefix is only usable there); the request computes the rest. The fit and the
+  per-length restorable flags are MIN-reduced across TP ranks in one collective.
   Counted in `l3_stream_restore{truncated_device}`.
 - A hit the stream cannot take (no checkpoint fits, shared host layout, SWA) is left
   to upstream, which declines it; counted in `l3_stream_restore{declined_*}`.
@@ -63,6 +70,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -286,7 +294,22 @@ def _truncate(cache: Any, op: Any, pages: int, reason: str = "device_capacity") 
 UPSTREAM = "upstream"  # _start's verdict: the (truncated) hit now fits the host arena
 WAIT = "wait"  # _start's verdict: park the hit, the device frees rows for it soon
 _FLAGS = "_l3_restorable_flags"
-_WAITED = "_l3_waited_write"
+_WAITED = "_l3_waited_rows"
+
+
+def waits_for_rows(cache: Any, hit_tokens: int) -> bool:
+    """Whether a hit the device cannot take now waits for rows instead of being cut:
+    when the whole device pool could hold it (the same on every rank)."""
+    return hit_tokens <= cache.token_to_kv_pool_allocator.size
+
+
+def _restart_budget(cache: Any, handle: Any) -> None:
+    """Upstream's `timeout` budget covers the store read: restart it while the hit
+    waits for device rows (nothing is read meanwhile), as its own staged path stops
+    the clock once the read is done and admission then defers on device capacity."""
+    wait = cache._storage_prefetch_wait.get(handle)
+    if wait is not None and not wait.expired and wait.timer.running:
+        wait.timer.started_at = time.perf_counter()
 
 
 def _device_fit(pipe: Any, op: Any, hit_tokens: int) -> int:
@@ -345,19 +368,22 @@ def _start(pipe: Any, op: Any, hit_tokens: int) -> Stream | str | None:
         decline("host_too_small")
         return None
     fit = _device_fit(pipe, op, hit_tokens)
-    if fit < hit_tokens and fit + write_guard.write_held_tokens(pipe) >= hit_tokens:
-        # Rows the device keeps for L3 writes (queued: patch write-guard; D2H in flight:
-        # upstream's lock) would make it fit: wait for them (parked, holding nothing)
-        # instead of cutting the hit; they go as the writes stage and their D2H copies
-        # land, and the guard's valve opens them if a staged restore blocks the queue.
+    if fit < hit_tokens and waits_for_rows(cache, hit_tokens):
+        # The pool could take the whole hit once rows held now go: running requests
+        # finish, streams land, L3 writes stage (queued: patch write-guard, whose valve
+        # opens them if a staged restore blocks the queue; D2H in flight: upstream's
+        # lock). Wait for them, parked and holding nothing, instead of cutting the hit.
+        _restart_budget(cache, handle)
         if not op.__dict__.get(_WAITED):
             op.__dict__[_WAITED] = True
-            metrics.inc("l3_stream_restore", "waited_write")
+            write = fit + write_guard.write_held_tokens(pipe) >= hit_tokens
+            metrics.inc("l3_stream_restore", "waited_write" if write else "waited_busy")
             logger.info(
-                "streamed restore waits req=%s hit=%d fit=%d: rows held for queued L3 writes",
+                "streamed restore waits req=%s hit=%d fit=%d: rows held %s",
                 handle.rid,
                 hit_tokens,
                 fit,
+                "for queued L3 writes" if write else "by other requests",
             )
         return WAIT
     if fit == 0:
