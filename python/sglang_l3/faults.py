@@ -6,13 +6,16 @@ or the simulated device (`sglang_l3.cpu.sim_streams`) is active in this process:
 on a served GPU the variable is ignored (one warning), so a stray setting can never
 remove a real fence or hold a real server's restores.
 
-Faults (`NAME` or `NAME@ARGUMENT`):
+Faults (`NAME` or `NAME@ARGUMENT`, several separated by commas):
 - skip-load-fence: the streamed restore queues piece copies without the fence on the
   forward stream (the simulated-stream tests must then fail);
 - stream-hold@PATH: streamed restores start no read while PATH exists, for at most
   HOLD_S from when it was first seen (`held`);
 - restore-fallback@RANK: that TP rank alone falls back on its first restore, once per
-  process (`spend`), to prove SGLANG_L3_VERIFY=1 catches a rank disagreement.
+  process (`spend`), to prove SGLANG_L3_VERIFY=1 catches a rank disagreement;
+- cut-not-wait: a streamed restore the device cannot take now is cut to what fits
+  instead of waiting for rows (the behaviour before it waited), so the server tests of
+  what follows a cut (issue 24's hang, its watchdog) can still reach one.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ ENV = "SGLANG_L3_TEST_FAULT"
 SKIP_LOAD_FENCE = "skip-load-fence"
 STREAM_HOLD = "stream-hold"
 RESTORE_FALLBACK = "restore-fallback"
-NAMES = (SKIP_LOAD_FENCE, STREAM_HOLD, RESTORE_FALLBACK)
+CUT_NOT_WAIT = "cut-not-wait"
+NAMES = (SKIP_LOAD_FENCE, STREAM_HOLD, RESTORE_FALLBACK, CUT_NOT_WAIT)
 HOLD_S = 120.0
 
 # process state of the faults (this module only): faults spent, when each hold was first seen
@@ -44,14 +48,18 @@ class FaultError(ValueError):
     pass
 
 
-def _setting() -> tuple[str, str | None] | None:
+def _settings() -> dict[str, str | None]:
+    """{name: argument} of every fault set (an empty dict: none)."""
     raw = (envs.value(ENV) or "").strip()
     if not raw or raw == "unset":
-        return None
-    name, sep, arg = raw.partition("@")
-    if name not in NAMES:
-        raise FaultError(f"{ENV}={raw!r}: unknown fault {name!r} (known: {', '.join(NAMES)})")
-    return name, (arg if sep else None)
+        return {}
+    out: dict[str, str | None] = {}
+    for item in (x.strip() for x in raw.split(",")):
+        name, sep, arg = item.partition("@")
+        if name not in NAMES:
+            raise FaultError(f"{ENV}={raw!r}: unknown fault {name!r} (known: {', '.join(NAMES)})")
+        out[name] = arg if sep else None
+    return out
 
 
 def honoured() -> bool:
@@ -74,16 +82,14 @@ def active(name: str) -> bool:
                 "sglang-l3: %s ignored: test faults apply only with the CPU switch or the simulated device", ENV
             )
         return False
-    setting = _setting()
-    return setting is not None and setting[0] == name and name not in _SPENT
+    return name in _settings() and name not in _SPENT
 
 
 def argument(name: str) -> str | None:
     """The ARGUMENT of an active `name@ARGUMENT` fault (None: not active or none given)."""
     if not active(name):
         return None
-    setting = _setting()
-    return None if setting is None else setting[1]
+    return _settings().get(name)
 
 
 def spend(name: str) -> None:

@@ -238,11 +238,14 @@ def test_burst_on_one_l3_prefix(burst: Burst, policy: str) -> None:
 
 @pytest.mark.parametrize("burst", (2,), ids=("tp2",), indirect=True)
 def test_tp2_watchdog_ends_the_hang(burst: Burst) -> None:
-    """Negative control and watchdog: without stream-share the burst of two hangs; with
+    """Negative control and watchdog: without stream-share, and with hits cut instead of
+    waiting for rows (test fault cut-not-wait), the burst of two hangs; with
     SGLANG_L3_VERIFY=1 the watchdog abandons the stuck wait after the budget + a 5 s margin
     on both ranks in the same pass, and every answer is still the no-cache server's."""
     ref = burst.reference()
-    env = {"SGLANG_L3_DISABLE": "stream-share", "SGLANG_L3_WAIT_MARGIN": "5"}
+    # the hang needs a cut second stream: with a hit that waits for rows there is none
+    fault = f"stream-hold@{burst.gate},cut-not-wait"
+    env = {"SGLANG_L3_DISABLE": "stream-share", "SGLANG_L3_WAIT_MARGIN": "5", "SGLANG_L3_TEST_FAULT": fault}
     store = burst.store("watchdog")
     cfg = burst.config(store, "wait_complete", env)
     with Server(cfg, burst.root / "watchdog.log", startup_timeout=STARTUP_TIMEOUT) as s:

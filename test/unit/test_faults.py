@@ -48,6 +48,17 @@ def test_ignored_without_the_switch_or_next_to_an_accelerator(fresh, monkeypatch
     assert not faults.held()
 
 
+def test_several_faults_at_once(fresh, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(faults.ENV, f"{faults.STREAM_HOLD}@{tmp_path},{faults.CUT_NOT_WAIT}")
+    assert faults.active(faults.STREAM_HOLD) and faults.active(faults.CUT_NOT_WAIT)
+    assert faults.argument(faults.STREAM_HOLD) == str(tmp_path)
+    assert faults.argument(faults.CUT_NOT_WAIT) is None
+    assert not faults.active(faults.SKIP_LOAD_FENCE)
+    monkeypatch.setenv(faults.ENV, f"{faults.CUT_NOT_WAIT},typo")
+    with pytest.raises(faults.FaultError, match="unknown fault 'typo'"):
+        faults.active(faults.CUT_NOT_WAIT)
+
+
 def test_unknown_fault_is_an_error_where_faults_apply(fresh, monkeypatch) -> None:
     monkeypatch.setenv(faults.ENV, "skip-load-fences")
     with pytest.raises(faults.FaultError, match="unknown fault 'skip-load-fences'"):

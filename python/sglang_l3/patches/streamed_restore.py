@@ -299,7 +299,12 @@ _WAITED = "_l3_waited_rows"
 
 def waits_for_rows(cache: Any, hit_tokens: int) -> bool:
     """Whether a hit the device cannot take now waits for rows instead of being cut:
-    when the whole device pool could hold it (the same on every rank)."""
+    when the whole device pool could hold it (the same on every rank). Test fault
+    cut-not-wait: never (the cut of before, for the tests of what follows a cut)."""
+    from sglang_l3 import faults
+
+    if faults.active(faults.CUT_NOT_WAIT):
+        return False
     return hit_tokens <= cache.token_to_kv_pool_allocator.size
 
 
