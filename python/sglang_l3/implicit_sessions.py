@@ -9,8 +9,13 @@ a request without a session id
 
 - continues session S when one of its page-aligned prefixes is an *end point*
   of S's latest turn: the page key (HiCache's SHA-256 chain, the keys L3
-  pages are named with) at the last full page of that turn's input, or of
-  its input + output. The longest such prefix wins;
+  pages are named with) at the last full page of that turn's input that ends
+  at least INPUT_TAIL tokens before the input's end, or at the last full page
+  of its input + output. The longest such prefix wins. (The input's last
+  tokens are the chat template's generation prompt, which the next call
+  renders differently: Qwen3.5's `<think>\n` comes back as
+  `<think>\n\n</think>`, whose first newline is another token. With page
+  size 1 that last token alone would break every continuation);
 - otherwise starts a new session with a fresh id (`implicit-<32 hex>`).
 
 The id then travels to every TP rank as an explicit top-level `session_id`
@@ -38,6 +43,15 @@ from sglang_l3 import metrics
 from sglang_l3.storage.sessions import IMPLICIT_PREFIX, SessionRecord
 
 MAX_SESSIONS = 1024  # as the registry's cap (storage.retention.MAX_IMPLICIT)
+# Tokens at an input's end left out of its end point: the generation prompt's tail
+# (ChatML's `<|im_end|>\n<|im_start|>assistant\n` is 5 tokens, so the end point never
+# reaches back into the user's own words).
+INPUT_TAIL = 4
+
+
+def end_pages(n_tokens: int, page_size: int) -> int:
+    """Full pages of an n_tokens input up to its end point (see INPUT_TAIL)."""
+    return max(0, n_tokens - INPUT_TAIL) // page_size
 
 
 def new_id() -> str:
@@ -86,9 +100,10 @@ class ImplicitSessions:
                 return sid, i + 1
         return None
 
-    def decide(self, keys: list[str]) -> tuple[str, bool]:
+    def decide(self, keys: list[str], end: int | None = None) -> tuple[str, bool]:
         """(session id, continued) for a request with page-key chain `keys`;
-        records the request's input end point as its session's latest turn."""
+        records the request's input end point (page `end`, by default the last)
+        as its session's latest turn."""
         hit = self.match(keys)
         if hit is None:
             sid, continued = new_id(), False
@@ -98,12 +113,12 @@ class ImplicitSessions:
             metrics.inc("implicit_sessions", "continued")
         s = self._sessions.pop(sid, None) or _Session()
         s.turns += 1
-        self._set_ends(sid, s, keys[-1:])
+        self._set_ends(sid, s, keys[: len(keys) if end is None else end][-1:])
         return sid, continued
 
     def finished(self, sid: str, input_keys: int, keys: list[str]) -> None:
-        """A turn of sid finished: its end points are the last full page of
-        its input (input_keys pages) and of input + output (keys)."""
+        """A turn of sid finished: its end points are its input's (page
+        input_keys, `end_pages`) and the last full page of input + output (keys)."""
         s = self._sessions.get(sid)
         if s is None:
             return  # reaped while it ran
@@ -112,7 +127,8 @@ class ImplicitSessions:
 
     def load(self, records: Iterable[SessionRecord]) -> int:
         """End points of persisted implicit sessions (after a restart), oldest
-        first; returns how many sessions were added."""
+        first; returns how many sessions were added. The table's input_pages
+        are the input's pages up to its end point (patch `sessions`: `end_pages`)."""
         n = 0
         for r in sorted(records, key=lambda r: r.last_use):
             if not r.implicit or not r.keys or r.id in self._sessions:
@@ -154,4 +170,4 @@ class ImplicitSessions:
             metrics.inc("implicit_sessions", "reaped")
 
 
-__all__ = ["MAX_SESSIONS", "ImplicitSessions", "new_id", "page_keys"]
+__all__ = ["INPUT_TAIL", "MAX_SESSIONS", "ImplicitSessions", "end_pages", "new_id", "page_keys"]

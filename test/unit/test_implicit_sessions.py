@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from sglang_l3 import metrics as l3_metrics
-from sglang_l3.implicit_sessions import MAX_SESSIONS, ImplicitSessions, page_keys
+from sglang_l3.implicit_sessions import INPUT_TAIL, MAX_SESSIONS, ImplicitSessions, end_pages, page_keys
 from sglang_l3.storage import retention
 from sglang_l3.storage import sessions as table
 from sglang_l3.storage.retention import CLOSED, MAX_IMPLICIT, OPEN, PLAIN, SessionRetention
@@ -28,10 +28,10 @@ SYSTEM = _toks(1, 100)  # a system prompt of 6.25 pages
 class _Turn:
     """One call of an agent: the tracker's decision, then its finish."""
 
-    def __init__(self, t: ImplicitSessions, ids: list[int], out: list[int]):
+    def __init__(self, t: ImplicitSessions, ids: list[int], out: list[int], page: int = PAGE):
         self.ids, self.out = ids, out
-        self.sid, self.continued = t.decide(page_keys(ids, PAGE))
-        t.finished(self.sid, len(ids) // PAGE, page_keys(ids + out, PAGE))
+        self.sid, self.continued = t.decide(page_keys(ids, page), end_pages(len(ids), page))
+        t.finished(self.sid, end_pages(len(ids), page), page_keys(ids + out, page))
 
 
 def test_one_agents_calls_are_one_session_and_two_agents_are_two():
@@ -56,6 +56,27 @@ def test_one_agents_calls_are_one_session_and_two_agents_are_two():
     c1 = _Turn(t, SYSTEM + _toks(13, 50), _toks(14, 20))
     assert not c1.continued and c1.sid not in (a1.sid, b1.sid)
     assert len(t) == 3
+
+
+# The real Qwen3.5 template's last tokens through the tiny model's tokenizer: the input
+# ends with the generation prompt "...assistant\n<think>\n"; the next call renders that
+# answer as "<think>\n\n</think>\n\n...": the input's last token ("\n", 198) becomes
+# "\n\n" (312). Prompts of one call and the next, measured: 574 of 575 tokens shared.
+GEN = [284, 83, 302, 83, 198, 1048, 198]
+RERENDERED = [284, 83, 302, 83, 198, 1048, 312, 1049, 312]
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_the_next_call_continues_when_the_template_rerenders_the_inputs_last_token(page):
+    t = ImplicitSessions()
+    a1 = _Turn(t, SYSTEM + _toks(2, 37) + GEN, _toks(3, 20), page)
+    a2 = _Turn(t, SYSTEM + _toks(2, 37) + RERENDERED + _toks(4, 30) + GEN, _toks(5, 20), page)
+    assert a2.continued and a2.sid == a1.sid
+    # another agent that shares the system prompt and the first words of the message, and
+    # the whole generation prompt, is still another session: the end point keeps the user's words
+    b = _Turn(t, SYSTEM + _toks(2, 36) + [9] + GEN, _toks(6, 20), page)
+    assert page == 16 or (not b.continued and b.sid != a1.sid)
+    assert INPUT_TAIL < len(GEN) - 2
 
 
 def test_a_prompt_that_diverges_inside_the_earlier_input_starts_a_session():
@@ -93,7 +114,9 @@ def test_the_tracker_reloads_implicit_sessions_from_the_table():
     t = ImplicitSessions()
     a1 = _Turn(t, SYSTEM + _toks(2, 40), _toks(3, 20))
     full = page_keys(a1.ids + a1.out, PAGE)
-    rec = table.SessionRecord(a1.sid, full, len(a1.ids) + 20, implicit=True, turns=1, input_pages=len(a1.ids) // PAGE)
+    rec = table.SessionRecord(
+        a1.sid, full, len(a1.ids) + 20, implicit=True, turns=1, input_pages=end_pages(len(a1.ids), PAGE)
+    )
     explicit = table.SessionRecord("agent-x", page_keys(_toks(9, 64), PAGE), 64)
     t2 = ImplicitSessions()
     assert t2.load([rec, explicit]) == 1

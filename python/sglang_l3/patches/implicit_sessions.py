@@ -57,11 +57,14 @@ def _state(tm: Any) -> _State | None:
     st = getattr(tm, TRACKER_ATTR, None)
     if st is not None:
         return st or None
+    from sglang_l3.live_config import value
     from sglang_l3.patches.session_hints import store_root
 
     args = getattr(tm, "server_args", None)
     root = store_root(tm)
-    page = int(getattr(args, "page_size", 0) or 0)
+    # the value in effect: without --page-size the launch arguments say None here and the
+    # model's resolved default (1 for Qwen3.5) is only in upstream's config bag
+    page = int(value(tm, "page_size") or 0)
     if root is None or page <= 0 or getattr(args, "enable_session_radix_cache", False):
         setattr(tm, TRACKER_ATTR, False)
         return None
@@ -98,7 +101,7 @@ def _extra_key(tok: Any) -> Any:
 def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: Any, *args: Any, **kwargs: Any) -> None:
     from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 
-    from sglang_l3.implicit_sessions import page_keys
+    from sglang_l3.implicit_sessions import end_pages, page_keys
     from sglang_l3.session_activity import ACTIVITY
     from sglang_l3.session_hints import HINT_RID_PREFIX, prediction
 
@@ -128,7 +131,7 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
         keys = page_keys(ids, st.page_size, extra, salt)
         if not keys:
             return  # under one page: nothing to retain or continue
-        sid, _ = st.tracker.decide(keys)
+        sid, _ = st.tracker.decide(keys, end_pages(len(ids), st.page_size))
     except Exception:  # bookkeeping must never take a request down
         logger.exception("sglang-l3 implicit sessions: cannot decide the session of %s", rid)
         return
@@ -143,7 +146,7 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
 
 
 def _finished(tm: Any, st: _State, rid: str, out_ids: list[int]) -> None:
-    from sglang_l3.implicit_sessions import page_keys
+    from sglang_l3.implicit_sessions import end_pages, page_keys
     from sglang_l3.session_hints import BOOK
 
     entry = st.pending.pop(rid, None)
@@ -151,7 +154,7 @@ def _finished(tm: Any, st: _State, rid: str, out_ids: list[int]) -> None:
         return
     sid, ids, extra, salt = entry
     context = ids + out_ids
-    st.tracker.finished(sid, len(ids) // st.page_size, page_keys(context, st.page_size, extra, salt))
+    st.tracker.finished(sid, end_pages(len(ids), st.page_size), page_keys(context, st.page_size, extra, salt))
     BOOK.remember(sid, context)  # a hint can name the implicit session
 
 

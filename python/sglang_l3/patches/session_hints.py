@@ -91,6 +91,8 @@ def add_routes(app: Any) -> None:
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
+    from sglang_l3.live_config import value as live_value
+
     from sglang_l3 import metrics
     from sglang_l3.session_hints import BOOK, HintError
 
@@ -151,7 +153,7 @@ def add_routes(app: Any) -> None:
                 "staging": sorted(set(staging)),
                 "store_bytes": None if root is None else _pages_bytes(root),
                 "store_cap_bytes": None if settings is None else int(settings.max_bytes),
-                "page_size": getattr(getattr(tm, "server_args", None), "page_size", None),
+                "page_size": live_value(tm, "page_size"),
             }
         )
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from sglang_l3.implicit_sessions import end_pages
 from sglang_l3.patches.framework import PatchContext
 
 logger = logging.getLogger("sglang_l3.sessions")
@@ -98,7 +99,9 @@ def _on_release(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) ->
             keys,
             tokens,
             priority=int(prio) if prio is not None else None,
-            input_pages=len(req.origin_input_ids) // int(cache.page_size),
+            # up to its end point: a next turn that differs only in the input's last
+            # tokens (the generation prompt re-rendered) is an ordinary next turn
+            input_pages=end_pages(len(req.origin_input_ids), int(cache.page_size)),
         )
     except Exception:  # bookkeeping must never take a request down
         logger.exception("sglang-l3 sessions: cannot record session %s", sid)

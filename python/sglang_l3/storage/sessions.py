@@ -50,7 +50,7 @@ class SessionRecord:
     open: bool = True
     implicit: bool = False  # named by the server (no session_id from the client)
     turns: int = 0  # turns queued since this server (or table) first saw it
-    input_pages: int = 0  # full pages of the last turn's input (its chain's input end)
+    input_pages: int = 0  # full pages of the last turn's input up to its end point (implicit_sessions.end_pages)
 
     def copy(self) -> SessionRecord:
         return replace(self, keys=list(self.keys))
