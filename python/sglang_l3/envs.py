@@ -33,6 +33,14 @@ _VARS = (
         "serving",
     ),
     EnvVar(
+        "SGLANG_L3_TOOL_PIN",
+        "off",
+        "percentile of a session's own gaps (answer -> next request) for which a turn that ends in a "
+        "tool call keeps its context on the device (patch tool-pins, e.g. 90); off: never",
+        "serving",
+    ),
+    EnvVar("SGLANG_L3_TOOL_PIN_MAX_S", "300", "the longest a tool-call pin lasts, seconds", "serving"),
+    EnvVar(
         "SGLANG_L3_ALLOW_DRIFT",
         "0",
         "1: apply patches whose upstream targets drifted from their fingerprints",

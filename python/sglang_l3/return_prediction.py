@@ -27,6 +27,7 @@ from sglang_l3 import envs
 MAX_SESSIONS = 4096
 MAX_GAPS = 32  # gaps remembered per session (the most recent)
 MIN_GAPS = 3  # no prediction before this many gaps
+POOLED_GAPS = 256  # gaps of all sessions remembered (the most recent), for sessions with too few of their own
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -67,6 +68,7 @@ class ReturnPredictor:
         self.pct = pct
         self._now = now
         self._sessions: OrderedDict[str, _Gaps] = OrderedDict()
+        self.pooled: deque = deque(maxlen=POOLED_GAPS)  # every session's gaps, most recent last
         self.predicted = 0  # sessions staged by prediction
         self.returned_after_staging = 0  # ... whose request came while staged
 
@@ -81,7 +83,9 @@ class ReturnPredictor:
         """A request of sid arrived: the gap since its last answer is history."""
         g = self._get(sid)
         if g.answered is not None and g.running == 0:
-            g.gaps.append(max(0.0, self._now() - g.answered))
+            gap = max(0.0, self._now() - g.answered)
+            g.gaps.append(gap)
+            self.pooled.append(gap)
             if g.staged:
                 self.returned_after_staging += 1
         g.running += 1
@@ -99,6 +103,17 @@ class ReturnPredictor:
         if g is None or len(g.gaps) < MIN_GAPS:
             return None
         return percentile(list(g.gaps), self.pct)
+
+    def gap_percentile(self, sid: str, pct: float) -> float | None:
+        """The pct-th percentile of sid's own gaps, or of every session's recent gaps
+        while sid has fewer than MIN_GAPS (a new agent of the same framework runs the
+        same tools); None while neither has MIN_GAPS."""
+        g = self._sessions.get(sid)
+        if g is not None and len(g.gaps) >= MIN_GAPS:
+            return percentile(list(g.gaps), pct)
+        if len(self.pooled) >= MIN_GAPS:
+            return percentile(list(self.pooled), pct)
+        return None
 
     def due(self) -> list[str]:
         """Idle sessions whose predicted return has come, not yet staged;

@@ -101,6 +101,7 @@ def _extra_key(tok: Any) -> Any:
 def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: Any, *args: Any, **kwargs: Any) -> None:
     from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 
+    from sglang_l3 import tool_pins
     from sglang_l3.implicit_sessions import end_pages, page_keys
     from sglang_l3.session_activity import ACTIVITY
     from sglang_l3.session_hints import HINT_RID_PREFIX, prediction
@@ -141,11 +142,13 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
         ACTIVITY.started(sid)
         st.speaking[rid] = sid
     prediction().arrived(tm, sid)
+    tool_pins.on_arrival(tm, sid)  # its pin ends before the request reaches the scheduler
     while len(st.pending) > MAX_PENDING:
         st.pending.popitem(last=False)
 
 
 def _finished(tm: Any, st: _State, rid: str, out_ids: list[int]) -> None:
+    from sglang_l3 import tool_pins
     from sglang_l3.implicit_sessions import end_pages, page_keys
     from sglang_l3.session_hints import BOOK
 
@@ -155,11 +158,13 @@ def _finished(tm: Any, st: _State, rid: str, out_ids: list[int]) -> None:
     sid, ids, extra, salt = entry
     context = ids + out_ids
     st.tracker.finished(sid, end_pages(len(ids), st.page_size), page_keys(context, st.page_size, extra, salt))
+    tool_pins.on_finished(tm, rid, sid)  # its answer may end in a tool call
     BOOK.remember(sid, context)  # a hint can name the implicit session
 
 
 def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *args: Any, **kwargs: Any) -> Any:
     async def run() -> Any:
+        from sglang_l3 import tool_pins
         from sglang_l3.session_activity import ACTIVITY, context_tokens
         from sglang_l3.session_hints import prediction
 
@@ -189,6 +194,7 @@ def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *ar
                 entry = st.pending.get(rid) if isinstance(rid, str) else None
                 if entry is not None:
                     prediction().answered(entry[0])
+                    tool_pins.on_answer(entry[0])
                 if done and isinstance(rid, str):
                     try:
                         _finished(tm, st, rid, out_ids)

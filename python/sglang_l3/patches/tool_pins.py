@@ -1,0 +1,222 @@
+"""Patch `tool-pins`: a turn that ends in a tool call keeps its context on the device
+for a TTL learned from the session's own gaps (issue 31 item 2).
+
+The HTTP side (sglang_l3.tool_pins) decides: AROUND
+`OpenAIServingChat._generate_chat_stream` (streamed answers: the chunk whose
+`finish_reason` is "tool_calls") and AFTER `OpenAIServingChat._build_chat_response`
+(whole answers) it learns that a turn ended in a tool call, and sends the
+scheduler ranks a pin, later an unpin (the session's next request, or the
+TTL), as upstream `RpcReqInput` messages.
+
+The scheduler side places: AROUND `Scheduler.process_input_requests` the pin
+messages are taken out of the received list (every TP rank receives the same
+list, broadcast by rank 0) and applied before upstream sees the rest. A pin
+names a session; its context is the session's last finished context (patch
+`session-guard` remembers it). Pins hold no lock: a pinned context stays
+evictable, counted as evictable by admission, so it never makes a request wait
+or fail. It is only evicted *last*: BEFORE `UnifiedRadixCache._evict` (every
+device eviction, for prefill, decode, restores and hints alike) each pinned
+context is matched once through upstream's own `match_prefix`, which moves its
+path to the most-recently-used end of every component's LRU (both tree cores).
+Under pressure the pins give way in a stated order, Belady's rule on the
+predicted returns: the pin whose TTL ends furthest ahead is matched first, so
+it is the least recent of the pinned and goes first; the pin about to be
+needed goes last.
+
+Counters (`l3_tool_pin{...}`): `pinned`; at the unpin, `hit` (the session
+came back within its TTL and its context was still on the device), `expired`
+(the TTL passed, context still there), `gave_way` (evicted while pinned);
+`unknown` (no context remembered for the session: nothing pinned).
+
+Same decision on every rank: the pin list changes only by broadcast messages
+and the eviction walk is upstream's own; the touch is a match of the same key
+on the same tree. Active only with SGLANG_L3_TOOL_PIN on, the sglang-l3 file
+store (session-guard's contexts) and one data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_l3 import metrics
+from sglang_l3.patches.framework import PatchContext
+from sglang_l3.patches.session_guard import contexts_of
+from sglang_l3.tool_pins import EXPIRED, MAX_PINS, METHOD, PIN, RETURNED
+
+logger = logging.getLogger("sglang_l3.tool_pins")
+
+SCHED = "sglang.srt.managers.scheduler:Scheduler"
+CACHE = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
+CHAT = "sglang.srt.entrypoints.openai.serving_chat:OpenAIServingChat"
+
+
+@dataclass(frozen=True)
+class PinnedContext:
+    order: int  # the pin's expiry (ms, the HTTP process's clock): the larger gives way first
+    key: Any  # RadixKey of the session's last finished context
+    device_tokens: int  # its full-KV tokens on the device when pinned
+
+
+_PINS: weakref.WeakKeyDictionary[Any, OrderedDict[str, PinnedContext]] = weakref.WeakKeyDictionary()
+_TOUCHING: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def pins_of(cache: Any) -> OrderedDict[str, PinnedContext]:
+    book = _PINS.get(cache)
+    if book is None:
+        book = _PINS[cache] = OrderedDict()
+    return book
+
+
+def device_tokens(cache: Any, key: Any) -> int:
+    """Full-KV tokens of key on the device (upstream's read-only walk: no touch)."""
+    return int(cache.tree_core.match_full_device_prefix(key)[0])
+
+
+def _unpin(cache: Any, sid: str, reason: str) -> None:
+    p = pins_of(cache).pop(sid, None)
+    if p is None:
+        return
+    kept = p.device_tokens > 0 and device_tokens(cache, p.key) >= p.device_tokens
+    label = ("hit" if reason == RETURNED else "expired") if kept else "gave_way"
+    metrics.inc("l3_tool_pin", label)
+
+
+def apply_message(cache: Any, params: dict[str, Any]) -> None:
+    """Apply one pin message (the same on every rank, in the same order)."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    op, sid = params.get("op"), str(params.get("session"))
+    if op in (RETURNED, EXPIRED):
+        _unpin(cache, sid, op)
+        return
+    if op != PIN:
+        logger.warning("sglang-l3 tool pin: unknown op %r ignored", op)
+        return
+    ctx = contexts_of(cache).get(sid)
+    if ctx is None:
+        metrics.inc("l3_tool_pin", "unknown")
+        return
+    _unpin(cache, sid, EXPIRED)  # a second tool call before the return: the newer context
+    key = RadixKey(ctx.tokens, ctx.extra_key, cache_salt=ctx.cache_salt)
+    book = pins_of(cache)
+    book[sid] = PinnedContext(int(params.get("order") or 0), key, device_tokens(cache, key))
+    while len(book) > MAX_PINS:  # the HTTP side drops the same (oldest) pin
+        book.popitem(last=False)
+    metrics.inc("l3_tool_pin", "pinned")
+
+
+def touch_pinned(cache: Any) -> None:
+    """Make the pinned contexts the most recently used, the one to give way first
+    touched first (least recent of them)."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    book = _PINS.get(cache)
+    if not book or cache in _TOUCHING:
+        return
+    _TOUCHING.add(cache)
+    try:
+        for _, p in sorted(book.items(), key=lambda kv: (-kv[1].order, kv[0])):
+            cache.match_prefix(MatchPrefixParams(key=p.key))
+    finally:
+        _TOUCHING.discard(cache)
+
+
+def _is_pin_message(req: Any) -> bool:
+    from sglang.srt.managers.io_struct import RpcReqInput
+
+    return isinstance(req, RpcReqInput) and req.method == METHOD
+
+
+def take_pin_messages(cache: Any, recv_reqs: list) -> list:
+    """Apply the pin messages among recv_reqs, in order; the rest, in order."""
+    if not any(_is_pin_message(r) for r in recv_reqs):
+        return recv_reqs
+    rest = []
+    for r in recv_reqs:
+        if not _is_pin_message(r):
+            rest.append(r)
+            continue
+        try:
+            apply_message(cache, dict(r.parameters or {}))
+        except Exception:  # placement only: never take the scheduler down
+            logger.exception("sglang-l3 tool pin: cannot apply %s", r.parameters)
+    return rest
+
+
+def _process_input_requests(original: Any, sched: Any, recv_reqs: Any, *args: Any, **kwargs: Any) -> Any:
+    if recv_reqs:
+        recv_reqs = take_pin_messages(sched.tree_cache, recv_reqs)
+    return original(sched, recv_reqs, *args, **kwargs)
+
+
+def _before_evict(cache: Any, *args: Any, **kwargs: Any) -> None:
+    try:
+        touch_pinned(cache)
+    except Exception:  # placement only: upstream's LRU order stands
+        logger.exception("sglang-l3 tool pin: cannot order the pinned contexts")
+
+
+def tool_call_rid(chunk: Any) -> str | None:
+    """The request id of a streamed chunk that ends a choice with tool calls."""
+    import json
+
+    if not isinstance(chunk, str) or "tool_calls" not in chunk or not chunk.startswith("data: "):
+        return None
+    try:
+        body = json.loads(chunk[len("data: ") :])
+    except ValueError:
+        return None
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if isinstance(choices, list) and any(
+        isinstance(c, dict) and c.get("finish_reason") == "tool_calls" for c in choices
+    ):
+        rid = body.get("id")
+        return rid if isinstance(rid, str) else None
+    return None
+
+
+def _tool_call(serving: Any, rid: str) -> None:
+    from sglang_l3.tool_pins import on_tool_call
+
+    try:
+        on_tool_call(serving.tokenizer_manager, rid)
+    except Exception:  # placement only: never fail an answer
+        logger.exception("sglang-l3 tool pin: cannot pin the turn of %s", rid)
+
+
+def _generate_chat_stream(original: Any, serving: Any, *args: Any, **kwargs: Any) -> Any:
+    async def run() -> Any:
+        async for chunk in original(serving, *args, **kwargs):
+            rid = tool_call_rid(chunk)
+            if rid is not None:
+                _tool_call(serving, rid)
+            yield chunk
+
+    return run()
+
+
+def _after_build_chat_response(result: Any, serving: Any, *args: Any, **kwargs: Any) -> None:
+    choices = getattr(result, "choices", None)
+    rid = getattr(result, "id", None)
+    if isinstance(rid, str) and choices and any(getattr(c, "finish_reason", None) == "tool_calls" for c in choices):
+        _tool_call(serving, rid)
+
+
+def applicable() -> str | None:
+    from sglang_l3.tool_pins import configured
+
+    if configured() is None:
+        return "SGLANG_L3_TOOL_PIN is off"
+    return None
+
+
+def apply(ctx: PatchContext) -> None:
+    ctx.around(f"{SCHED}.process_input_requests", _process_input_requests)
+    ctx.before(f"{CACHE}._evict", _before_evict)
+    ctx.around(f"{CHAT}._generate_chat_stream", _generate_chat_stream)
+    ctx.after(f"{CHAT}._build_chat_response", _after_build_chat_response)

@@ -1,0 +1,113 @@
+"""sglang_l3.tool_pins: when a turn that ended in a tool call is pinned, for how
+long, and when the pin ends (the HTTP side's rule; the clock is injected)."""
+
+from __future__ import annotations
+
+import pytest
+from sglang_l3 import tool_pins
+from sglang_l3.return_prediction import MIN_GAPS
+from sglang_l3.tool_pins import MAX_PINS, PinBook
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _turn(b: PinBook, clock: Clock, sid: str, rid: str, gap: float) -> None:
+    """sid comes back after gap s, its turn rid runs 1 s and finishes."""
+    clock.t += gap
+    b.arrived(sid)
+    clock.t += 1.0
+    b.finished(rid, sid)
+    b.answered(sid)
+
+
+def test_the_ttl_is_a_percentile_of_the_sessions_own_gaps():
+    clock = Clock()
+    b = PinBook(90.0, 300.0, clock)
+    _turn(b, clock, "s", "r0", 0)
+    for i, gap in enumerate([2.0, 4.0, 6.0, 8.0, 10.0]):
+        _turn(b, clock, "s", f"r{i + 1}", gap)
+    assert b.tool_call("r5") == "s"
+    assert b.ttl("s") == pytest.approx(9.2)  # 90th percentile of 2..10, linear between ranks
+
+
+def test_no_pin_without_history_then_the_pooled_gaps_of_other_sessions():
+    clock = Clock()
+    b = PinBook(50.0, 300.0, clock)
+    _turn(b, clock, "new", "n0", 0)
+    assert b.ttl("new") is None  # nobody has MIN_GAPS gaps yet
+    _turn(b, clock, "old", "o0", 0)
+    for i in range(MIN_GAPS):
+        _turn(b, clock, "old", f"o{i + 1}", 5.0 * (i + 1))
+    assert b.ttl("new") == pytest.approx(10.0)  # the pooled median of 5, 10, 15
+
+
+def test_the_ttl_is_capped():
+    clock = Clock()
+    b = PinBook(100.0, 30.0, clock)
+    _turn(b, clock, "s", "r0", 0)
+    for i in range(MIN_GAPS):
+        _turn(b, clock, "s", f"r{i + 1}", 1000.0)
+    assert b.ttl("s") == 30.0
+
+
+def test_a_return_ends_the_pin_and_an_expiry_only_its_own_pin():
+    clock = Clock()
+    b = PinBook(90.0, 300.0, clock)
+    p, dropped = b.pin("s", "r1", 10.0)
+    assert not dropped and p.expires == 110.0
+    assert b.expire("s", "other-rid") is None  # a later pin replaced the one that timed out
+    assert b.arrived("s") is p
+    assert b.expire("s", "r1") is None  # returned first: nothing to expire
+    b.pin("s", "r2", 10.0)
+    assert b.expire("s", "r2") is not None and not b.pins
+
+
+def test_a_tool_call_seen_before_the_turn_finished_pins_at_the_finish():
+    clock = Clock()
+    b = PinBook(90.0, 300.0, clock)
+    assert b.tool_call("r1") is None  # a whole answer is parsed before the turn's bookkeeping ends
+    assert b.finished("r1", "s") is True
+    assert b.finished("r2", "s") is False
+
+
+def test_pins_are_bounded_the_oldest_dropped():
+    b = PinBook(90.0, 300.0, Clock())
+    gone = []
+    for i in range(MAX_PINS + 3):
+        gone += [d.rid for d in b.pin(f"s{i}", f"r{i}", 5.0)[1]]
+    assert gone == ["r0", "r1", "r2"] and len(b.pins) == MAX_PINS
+    assert [p.rid for p in b.pin("s5", "r5b", 5.0)[1]] == ["r5"]  # a re-pin replaces the session's pin
+
+
+@pytest.mark.parametrize("value", ["abc", "0.0001x", "101", "-5"])
+def test_a_bad_setting_is_a_clear_error(monkeypatch, value):
+    monkeypatch.setenv("SGLANG_L3_TOOL_PIN", value)
+    with pytest.raises(ValueError, match="SGLANG_L3_TOOL_PIN"):
+        tool_pins.configured()
+
+
+def test_settings(monkeypatch):
+    monkeypatch.delenv("SGLANG_L3_TOOL_PIN", raising=False)
+    assert tool_pins.configured() is None
+    monkeypatch.setenv("SGLANG_L3_TOOL_PIN", "80")
+    monkeypatch.setenv("SGLANG_L3_TOOL_PIN_MAX_S", "60")
+    assert tool_pins.configured() == (80.0, 60.0)
+    monkeypatch.setenv("SGLANG_L3_TOOL_PIN_MAX_S", "0")
+    with pytest.raises(ValueError, match="SGLANG_L3_TOOL_PIN_MAX_S"):
+        tool_pins.configured()
+
+
+def test_a_streamed_chunk_that_ends_in_tool_calls_names_its_request():
+    from sglang_l3.patches.tool_pins import tool_call_rid
+
+    end = 'data: {"id":"abc","object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}\n\n'
+    mid = 'data: {"id":"abc","choices":[{"index":0,"delta":{"tool_calls":[{"id":"t"}]},"finish_reason":null}]}\n\n'
+    assert tool_call_rid(end) == "abc"
+    assert tool_call_rid(mid) is None
+    assert tool_call_rid("data: [DONE]\n\n") is None
