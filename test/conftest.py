@@ -103,6 +103,7 @@ SLOW_FIRST = (
     "e2e/test_scripted_decode_server.py",
     "e2e/test_sessions_server.py",
     "e2e/test_implicit_sessions_server.py",
+    "e2e/test_tool_pins_server.py",
     "e2e/test_many_agents_server.py",
     "e2e/test_mooncake_servers.py",
     "e2e/test_idle_server.py",

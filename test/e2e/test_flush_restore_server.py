@@ -81,7 +81,7 @@ def test_a_flush_right_after_an_answer_loses_nothing(tmp_path, hash_extension_bu
         chunked_prefill_size=CHUNKED_PREFILL,
         prefetch_threshold=PREFETCH_THRESHOLD,
         page_size=PAGE_SIZE,
-        extra_args=["--enable-metrics", "--hicache-size", "1"],  # GB: no auto-sizing on a busy host
+        extra_args=["--enable-metrics"],
     )
     with Server(cfg, tmp_path / "server.log", startup_timeout=STARTUP_TIMEOUT) as s:
         for prompt_len, new_tokens, want in CASES:

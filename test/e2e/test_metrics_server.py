@@ -77,7 +77,7 @@ def test_counters_at_metrics_and_in_doctor_after_a_restore(tmp_path, hash_extens
         chunked_prefill_size=CHUNKED_PREFILL,
         prefetch_threshold=PREFETCH_THRESHOLD,
         page_size=PAGE_SIZE,
-        extra_args=["--enable-metrics", "--hicache-size", "1"],  # GB: no auto-sizing on a busy host
+        extra_args=["--enable-metrics"],
         env={"SGLANG_L3_PUBLISH_STATS": "1", "SGLANG_L3_STATS_DIR": stats_dir},
     )
     with Server(cfg, tmp_path / "server.log", startup_timeout=STARTUP_TIMEOUT) as s:
