@@ -35,20 +35,26 @@ Runs:
             With --agents >= 8 the session runs above are skipped unless
             --skip names others (e.g. --skip return).
 
---plain (issue 31): the same agents as real clients send them - no
-session_id, no hints - with gaps that vary by turn (after each turn the
-framework waits --think x a seeded log-uniform factor in [0.2, 5], a tool
-call). All runs byte-capped with noise as above:
-  plain     implicit sessions (the server finds each conversation) and
-            predicted return (SGLANG_L3_PREDICTED_RETURN=25)
+--plain (issue 31): the same agents as Hermes sends them - chat calls to
+/v1/chat/completions on tiny Qwen3.5 (text) with the README's agent flags
+(tool-call and reasoning parsers, no --page-size), the tool on every call,
+streamed, append-only history, no session_id, no hints. Each answer is a tool
+call (patch scripted-decode); its result (--message tokens) is sent after a
+gap that varies by turn: --think x a seeded log-uniform factor in [0.2, 5].
+--context is the first call's prompt as the template renders it (tool schema
+included; the agents share the template's tool instructions). All runs
+byte-capped with noise as above:
+  plain     implicit sessions (the server finds each conversation), predicted
+            return (SGLANG_L3_PREDICTED_RETURN=25) and tool pins
+            (SGLANG_L3_TOOL_PIN=--tool-pin, default 90)
   plain_off the same with this issue's features and retention disabled
-            (SGLANG_L3_DISABLE=sessions,implicit-sessions): upstream's LRU
-  hinted    today's best: session_id on every turn and a hint of the next
+            (SGLANG_L3_DISABLE=sessions,implicit-sessions,tool-pins): upstream's LRU
+  hinted    today's best: session_id on every call and a hint of the next
             speaker
 last line: plain_ttft_vs_hinted=A plain_hit_vs_lru=B ttl_hits=C/D (A = median
-TTFT plain / hinted, B = cached tokens plain / plain_off; C/D = turns that
-found a TTL-pinned context / pinned turns: TTL pinning, issue 31 item 2, is
-not implemented, so 0/0). Targets A <= 1.2, B >= 1.5.
+TTFT plain / hinted, B = cached tokens plain / plain_off, both over calls >= 2;
+C/D = the plain run's tool pins still held when their session came back /
+tool pins made). Targets A <= 1.2, B >= 1.5.
 
 Prints per run the median TTFT of turns >= 2 and the tokens found in L3 /
 on the device; last line: hint_ttft_vs_cold=R retained_hit_vs_lru=H with
@@ -62,6 +68,7 @@ R = median TTFT hinted / cold and H = cached tokens (L3 + device) of turns
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -158,7 +165,6 @@ def agents_run(
     noise: bool = False,
     disable: str = "",
     log_dir: Path,
-    plain: bool = False,
     env: dict | None = None,
     **extra,
 ) -> Run:
@@ -166,7 +172,6 @@ def agents_run(
     histories = {a: prompt(1000 + a, args.context) for a in range(args.agents)}
     order = speaking_order(args.agents, args.turns, args.seed)
     hint_id: str | None = None
-    gaps = random.Random(f"gaps-{args.seed}")  # the same tool-call gaps in every run
     with Server(_config(args, store, pool, disable, env, **extra), log_dir / f"{label}.log", startup_timeout=900) as s:
         for i, (t, a) in enumerate(order):
             state = "-"
@@ -176,7 +181,7 @@ def agents_run(
                 run.hints_landed += state == "landed"
                 hint_id = None
             ids = histories[a] + prompt(10_000 * a + t, args.message)
-            g = s.generate(ids, args.new, extra=None if plain else {"session_id": f"agent-{a}"})
+            g = s.generate(ids, args.new, extra={"session_id": f"agent-{a}"})
             histories[a] = ids + g.output_ids
             if t >= 1:
                 run.ttft.append(g.ttft_s)
@@ -197,8 +202,7 @@ def agents_run(
                 if hints and t_next >= 1:  # the next speaker has a context to stage
                     _, h = s.post("/sglang_l3/prefetch", {"session_id": f"agent-{nxt}"})
                     hint_id = h["hint_id"]
-                factor = math.exp(gaps.uniform(math.log(0.2), math.log(5.0))) if args.plain else 1.0
-                time.sleep(max(args.think * factor, 0.0))
+                time.sleep(max(args.think, 0.0))
     run.queue = queue_seconds(log_dir / f"{label}.log", run.rids)
     return run
 
@@ -233,32 +237,266 @@ def print_table(runs: dict[str, Run]) -> None:
         )
 
 
+# --plain: chat calls as Hermes sends them (module docstring)
+PLAIN_CONTEXT_LENGTH = 16384  # --context-length of the chat server (the tiny model's rotary has no limit)
+PLAIN_MAX_TOKENS = 512  # per call; the scripted tool call is < 64 tokens
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "run",
+        "description": "Run a shell command and return what it printed.",
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
+    },
+}
+WORDS = (
+    "the build step reads a file writes the log and checks every line of output before the next call "
+    "agent tool result shell command make test passes fails retries keeps history notes plan review"
+).split()
+
+
+def _marker(a: int) -> str:
+    return f"bench-agent-{a}"
+
+
+@functools.cache
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from sglang_l3.testing.hermes_scenario import MODEL
+    from sglang_l3.testing.server import model_dir
+
+    return AutoTokenizer.from_pretrained(str(model_dir(MODEL)))
+
+
+def _words(seed: str, n: int) -> str:
+    """Seeded text of about n tokens in the served model's tokenizer."""
+    rng = random.Random(seed)
+    tok = _tokenizer()
+    out, count = [], 0
+    while count < n:
+        w = rng.choice(WORDS)
+        out.append(w)
+        count += len(tok.encode(" " + w, add_special_tokens=False))
+    return " ".join(out)
+
+
+def _first_messages(a: int, context: int) -> list[dict]:
+    """Agent a's system prompt and task, `context` tokens as the template renders them
+    with the tool (its instructions and schema take about 600 tokens)."""
+
+    def messages(filler: str) -> list[dict]:
+        return [
+            {"role": "system", "content": f"You are {_marker(a)}. {filler}"},
+            {"role": "user", "content": "Work through the build, one step per call."},
+        ]
+
+    tok = _tokenizer()
+    text = tok.apply_chat_template(messages(""), tools=[TOOL], add_generation_prompt=True, tokenize=False)
+    base = len(tok.encode(text, add_special_tokens=False))
+    return messages(_words(f"sys-{a}", max(context - base, 0)))
+
+
+def _chat_config(args: argparse.Namespace, script: Path, store: Path, pool: int, env: dict, **extra) -> ServerConfig:
+    """tiny Qwen3.5 (text) with the README's agent flags and no --page-size (the model's
+    default, as the user serves), buffer-only L3 over the file store."""
+    from dataclasses import replace
+
+    from sglang_l3.testing.hermes_scenario import server_config
+
+    cfg = server_config(
+        script,
+        storage_dir=store,
+        pool=pool,
+        context=PLAIN_CONTEXT_LENGTH,
+        extra=["--enable-request-time-stats-logging"],
+    )
+    return replace(
+        cfg,
+        device=args.device,
+        page_size=None,
+        chunked_prefill_size=256,
+        storage_extra_config=extra,
+        env={**cfg.env, **env},
+    )
+
+
+def _stream_call(client, model: str, messages: list[dict], session: str | None) -> tuple[float, dict]:
+    """One streamed chat call with every tool: (seconds to the first token, the
+    assistant message to append)."""
+    t0 = time.perf_counter()
+    first = None
+    content, calls = "", []
+    body = {"session_id": session} if session else None
+    stream = client.chat.completions.create(
+        model=model, messages=messages, tools=[TOOL], max_tokens=PLAIN_MAX_TOKENS, stream=True, extra_body=body
+    )
+    for chunk in stream:
+        for choice in chunk.choices:
+            d = choice.delta
+            extra = d.model_extra or {}
+            if first is None and (d.content or d.tool_calls or extra.get("reasoning_content")):
+                first = time.perf_counter() - t0
+            content += d.content or ""
+            for tc in d.tool_calls or []:
+                while len(calls) <= tc.index:
+                    calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                c = calls[tc.index]
+                c["id"] = tc.id or c["id"]
+                if tc.function is not None:
+                    c["function"]["name"] += tc.function.name or ""
+                    c["function"]["arguments"] += tc.function.arguments or ""
+    if not calls:
+        raise RuntimeError(f"the scripted turn ended without a tool call: {content[:200]!r}")
+    return first if first is not None else time.perf_counter() - t0, {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": calls,
+    }
+
+
+def _counters(stats: Path, names: tuple[str, ...]) -> dict[str, float]:
+    """The server's published counters (sglang_l3.metrics), once two reads agree."""
+    from sglang_l3 import metrics
+
+    old = os.environ.get("SGLANG_L3_STATS_DIR")
+    os.environ["SGLANG_L3_STATS_DIR"] = str(stats)
+    try:
+        last: dict[str, float] = {}
+        for _ in range(30):
+            got = metrics.collect_published()
+            now = {n: got.get(n, 0) for n in names}
+            if now == last:
+                return now
+            last = now
+            time.sleep(1.5)
+        return last
+    finally:
+        if old is None:
+            os.environ.pop("SGLANG_L3_STATS_DIR", None)
+        else:
+            os.environ["SGLANG_L3_STATS_DIR"] = old
+
+
+PIN_COUNTERS = tuple(f"l3_tool_pin{{{c}}}" for c in ("pinned", "hit", "expired", "gave_way", "unknown", "no_history"))
+
+
+def chat_run(
+    args: argparse.Namespace,
+    label: str,
+    store: Path,
+    *,
+    pool: int,
+    log_dir: Path,
+    hints: bool = False,
+    noise: bool = False,
+    env: dict | None = None,
+    **extra,
+) -> tuple[Run, dict[str, float]]:
+    """The agents as chat clients: every call streamed, with the tool, append-only
+    history; each answer is a tool call (patch scripted-decode) whose result, --message
+    tokens, comes back after a seeded gap. `hints`: session_id on every call and a hint
+    of the next speaker (today's best); else no session id, no hint."""
+    from openai import OpenAI
+
+    from sglang_l3.testing.scripted_decode import ENV as SCRIPT_ENV
+    from sglang_l3.testing.scripted_decode import read_records, tool_step, write_script
+
+    record = log_dir / f"{label}.jsonl"
+    rules = {_marker(a): [tool_step(f"Agent {a}: next step.", "run", cmd="make next")] for a in range(args.agents)}
+    script = write_script(log_dir / f"{label}.json", record, rules)
+    stats = log_dir / f"{label}-stats"
+    env = {"SGLANG_L3_PUBLISH_STATS": "1", "SGLANG_L3_STATS_DIR": str(stats), **(env or {})}
+    cfg = _chat_config(args, script, store, pool, env, **extra)
+    assert SCRIPT_ENV in cfg.env
+    run = Run(label)
+    histories = {a: _first_messages(a, args.context) for a in range(args.agents)}
+    order = speaking_order(args.agents, args.turns, args.seed)
+    gaps = random.Random(f"gaps-{args.seed}")  # the same tool-call gaps in every run
+    hint_id: str | None = None
+    turn_of: list[int] = []
+    with Server(cfg, log_dir / f"{label}.log", startup_timeout=900) as s:
+        client = OpenAI(base_url=s.base + "/v1", api_key="unused", timeout=1800, max_retries=0)
+        model = client.models.list().data[0].id
+        for i, (t, a) in enumerate(order):
+            if hint_id is not None:
+                state = _hint_state(s, hint_id)
+                run.hints += 1
+                run.hints_landed += state == "landed"
+                hint_id = None
+            msgs = histories[a]
+            if t >= 1:  # the tool's result for the previous call
+                msgs.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": msgs[-1]["tool_calls"][0]["id"],
+                        "content": _words(f"result-{a}-{t}", args.message),
+                    }
+                )
+            ttft, answer = _stream_call(client, model, msgs, f"agent-{a}" if hints else None)
+            msgs.append(answer)
+            turn_of.append(t)
+            if t >= 1:
+                run.ttft.append(ttft)
+            if noise:
+                s.generate(prompt(50_000 + i, args.noise), args.new)  # a one-off prompt, no session
+            if i + 1 < len(order):
+                t_next, nxt = order[i + 1]
+                if hints and t_next >= 1:
+                    _, h = s.post("/sglang_l3/prefetch", {"session_id": f"agent-{nxt}"})
+                    hint_id = h["hint_id"]
+                factor = math.exp(gaps.uniform(math.log(0.2), math.log(5.0)))
+                time.sleep(max(args.think * factor, 0.0))
+        pins = _counters(stats, PIN_COUNTERS)
+    rows = read_records(record)
+    if len(rows) != len(order):
+        raise RuntimeError(f"{label}: {len(rows)} scripted answers recorded for {len(order)} calls")
+    for t, row in zip(turn_of, rows):
+        if t >= 1:
+            c = row["cached"]
+            run.rids.append(row["rid"])
+            run.restored += int(c.get("storage", 0))
+            run.device += int(c.get("device", 0)) + int(c.get("host", 0))
+            run.prompt += int(row["prompt_tokens"])
+        if args.verbose:
+            print(f"  {label} call: {row['prompt_tokens']} tokens, cached {row['cached']}", flush=True)
+    run.queue = queue_seconds(log_dir / f"{label}.log", run.rids)
+    return run, pins
+
+
 def plain_runs(args: argparse.Namespace, pool: int, work: Path) -> int:
     """--plain: plain (this issue's features), plain_off (disabled), hinted;
     all byte-capped with noise, the cap measured on an uncapped plain run."""
-    probe = agents_run(args, "probe", work / "probe", pool=pool, plain=True, log_dir=work)
+    pin = {"SGLANG_L3_TOOL_PIN": args.tool_pin}
+    probe, _ = chat_run(args, "probe", work / "probe", pool=pool, log_dir=work, env=pin)
     contexts = store_bytes(work / "probe")
     cap = int(contexts * args.cap)
     capped = {"noise": True, "log_dir": work, "max_bytes": cap, "min_free_bytes": 0}
-    runs = {
-        "plain": agents_run(
-            args, "plain", work / "plain", pool=pool, plain=True, env={"SGLANG_L3_PREDICTED_RETURN": "25"}, **capped
-        ),
-        "plain_off": agents_run(
-            args, "plain_off", work / "plain_off", pool=pool, plain=True, disable="sessions,implicit-sessions", **capped
-        ),
-        "hinted": agents_run(args, "hinted", work / "hinted", pool=pool, hints=True, **capped),
-    }
+    plain, pins = chat_run(
+        args, "plain", work / "plain", pool=pool, env={"SGLANG_L3_PREDICTED_RETURN": "25", **pin}, **capped
+    )
+    off, _ = chat_run(
+        args,
+        "plain_off",
+        work / "plain_off",
+        pool=pool,
+        env={"SGLANG_L3_DISABLE": "sessions,implicit-sessions,tool-pins", "SGLANG_L3_TOOL_PIN": "off"},
+        **capped,
+    )
+    hinted, _ = chat_run(
+        args, "hinted", work / "hinted", pool=pool, hints=True, env={"SGLANG_L3_TOOL_PIN": "off"}, **capped
+    )
+    runs = {"plain": plain, "plain_off": off, "hinted": hinted}
     print(
         f"capped runs: agents' contexts {contexts / 2**20:.2f} MiB in L3 (probe: plain, uncapped; "
         f"TTFT {probe.median_ttft * 1e3:.1f} ms), byte cap {cap / 2**20:.2f} MiB ({args.cap}x), "
         f"noise {args.noise} tokens after every turn"
     )
     print_table(runs)
-    a = runs["plain"].median_ttft / runs["hinted"].median_ttft
-    off = runs["plain_off"].hit
-    b = runs["plain"].hit / off if off else float("inf")
-    print(f"plain_ttft_vs_hinted={a:.2f} plain_hit_vs_lru={b:.2f} ttl_hits=0/0")
+    print("plain run's tool pins: " + ", ".join(f"{k} {v:g}" for k, v in pins.items()))
+    a = plain.median_ttft / hinted.median_ttft
+    b = plain.hit / off.hit if off.hit else float("inf")
+    c, d = int(pins["l3_tool_pin{hit}"]), int(pins["l3_tool_pin{pinned}"])
+    print(f"plain_ttft_vs_hinted={a:.2f} plain_hit_vs_lru={b:.2f} ttl_hits={c}/{d}")
     return 0
 
 
@@ -339,7 +577,13 @@ def main() -> int:
     ap.add_argument(
         "--plain",
         action="store_true",
-        help="issue 31: no session_id, no hints, gaps 0.2-5x --think; runs plain, plain_off, hinted (all capped)",
+        help="issue 31: chat calls as Hermes sends them (tools, streamed), no session_id, no hints, gaps "
+        "0.2-5x --think; runs plain, plain_off, hinted (all capped)",
+    )
+    ap.add_argument(
+        "--tool-pin",
+        default="90",
+        help="SGLANG_L3_TOOL_PIN of the --plain runs probe and plain (a percentile, or off)",
     )
     args = ap.parse_args()
     if args.agents < 4:
@@ -348,8 +592,9 @@ def main() -> int:
         ap.error("--turns must be >= 2")
     pool = args.pool or (3 * args.context) // 2
     final = args.context + args.turns * (args.message + args.new)
-    if final + args.new >= MODEL_CONTEXT:
-        ap.error(f"the last turn ({final} tokens + answer) exceeds the tiny model's context length {MODEL_CONTEXT}")
+    limit = PLAIN_CONTEXT_LENGTH - PLAIN_MAX_TOKENS if args.plain else MODEL_CONTEXT
+    if final + args.new >= limit:
+        ap.error(f"the last turn ({final} tokens + answer) exceeds the tiny model's context length {limit}")
     args.noise = args.noise if args.noise is not None else args.context // 2
     if args.skip is None:
         args.skip = "return" if args.agents < MANY else "cold,hinted,device,capped"
