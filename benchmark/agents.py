@@ -297,8 +297,8 @@ def _first_messages(a: int, context: int) -> list[dict]:
 
 
 def _chat_config(args: argparse.Namespace, script: Path, store: Path, pool: int, env: dict, **extra) -> ServerConfig:
-    """tiny Qwen3.5 (text) with the README's agent flags and no --page-size (the model's
-    default, as the user serves), buffer-only L3 over the file store."""
+    """tiny Qwen3.5 (text) with the README's agent flags, by default no --page-size (the
+    model's default, as the user serves), buffer-only L3 over the file store."""
     from dataclasses import replace
 
     from sglang_l3.testing.hermes_scenario import server_config
@@ -313,7 +313,7 @@ def _chat_config(args: argparse.Namespace, script: Path, store: Path, pool: int,
     return replace(
         cfg,
         device=args.device,
-        page_size=None,
+        page_size=args.page_size,
         chunked_prefill_size=256,
         storage_extra_config=extra,
         env={**cfg.env, **env},
@@ -579,6 +579,12 @@ def main() -> int:
         action="store_true",
         help="issue 31: chat calls as Hermes sends them (tools, streamed), no session_id, no hints, gaps "
         "0.2-5x --think; runs plain, plain_off, hinted (all capped)",
+    )
+    ap.add_argument(
+        "--page-size",
+        type=int,
+        default=None,
+        help="--page-size of the --plain servers (default: none given, the model's default, as the README serves)",
     )
     ap.add_argument(
         "--tool-pin",

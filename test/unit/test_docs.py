@@ -48,6 +48,8 @@ def test_one_serve_command_everywhere() -> None:
         "--tool-call-parser qwen3_coder --reasoning-parser qwen3",
         "--context-length 262144",
         "--enable-cache-report",
+        # L3 pays per page; upstream's default here is 1 token per page (docs/rdna3.md)
+        "--page-size 64",
     ],
 )
 def test_serve_command_is_complete(needle: str) -> None:
@@ -62,7 +64,7 @@ def test_serve_command_parses() -> None:
     ns = parser.parse_args(argv)
     assert ns.hicache_mem_layout == "buffer_only" and ns.tp_size == 2 and ns.sleep_on_idle
     assert ns.tool_call_parser == "qwen3_coder" and ns.reasoning_parser == "qwen3"
-    assert ns.context_length == 262144 and ns.enable_cache_report
+    assert ns.context_length == 262144 and ns.enable_cache_report and ns.page_size == 64
 
 
 def test_the_parsers_are_qwen35s() -> None:
