@@ -323,35 +323,20 @@ def _chat_config(args: argparse.Namespace, script: Path, store: Path, pool: int,
 def _stream_call(client, model: str, messages: list[dict], session: str | None) -> tuple[float, dict]:
     """One streamed chat call with every tool: (seconds to the first token, the
     assistant message to append)."""
-    t0 = time.perf_counter()
-    first = None
-    content, calls = "", []
+    from sglang_l3.testing.chat_stream import read_stream
+
     body = {"session_id": session} if session else None
-    stream = client.chat.completions.create(
-        model=model, messages=messages, tools=[TOOL], max_tokens=PLAIN_MAX_TOKENS, stream=True, extra_body=body
+    t0 = time.perf_counter()
+    answer = read_stream(
+        client.chat.completions.create(
+            model=model, messages=messages, tools=[TOOL], max_tokens=PLAIN_MAX_TOKENS, stream=True, extra_body=body
+        ),
+        t0,
     )
-    for chunk in stream:
-        for choice in chunk.choices:
-            d = choice.delta
-            extra = d.model_extra or {}
-            if first is None and (d.content or d.tool_calls or extra.get("reasoning_content")):
-                first = time.perf_counter() - t0
-            content += d.content or ""
-            for tc in d.tool_calls or []:
-                while len(calls) <= tc.index:
-                    calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-                c = calls[tc.index]
-                c["id"] = tc.id or c["id"]
-                if tc.function is not None:
-                    c["function"]["name"] += tc.function.name or ""
-                    c["function"]["arguments"] += tc.function.arguments or ""
-    if not calls:
-        raise RuntimeError(f"the scripted turn ended without a tool call: {content[:200]!r}")
-    return first if first is not None else time.perf_counter() - t0, {
-        "role": "assistant",
-        "content": content,
-        "tool_calls": calls,
-    }
+    if not answer.calls:
+        raise RuntimeError(f"the scripted turn ended without a tool call: {answer.content[:200]!r}")
+    first = answer.first_token_s if answer.first_token_s is not None else time.perf_counter() - t0
+    return first, answer.message()
 
 
 def _counters(stats: Path, names: tuple[str, ...]) -> dict[str, float]:

@@ -41,18 +41,24 @@ def percentile(values: list[float], p: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def configured_percentile() -> float | None:
-    """SGLANG_L3_PREDICTED_RETURN: the percentile, or None when off."""
-    raw = envs.value("SGLANG_L3_PREDICTED_RETURN").strip().lower()
+def percentile_setting(name: str) -> float | None:
+    """A percentile setting (e.g. SGLANG_L3_PREDICTED_RETURN): the value in (0, 100],
+    or None when off. A bad value raises ValueError with the reason (start-up fails)."""
+    raw = envs.value(name).strip().lower()
     if raw in ("", "off", "0", "false", "no"):
         return None
     try:
         p = float(raw)
     except ValueError as e:
-        raise ValueError(f"SGLANG_L3_PREDICTED_RETURN={raw!r}: a percentile in (0, 100] or 'off'") from e
+        raise ValueError(f"{name}={raw!r}: a percentile in (0, 100] or 'off'") from e
     if not 0 < p <= 100:
-        raise ValueError(f"SGLANG_L3_PREDICTED_RETURN={raw!r}: a percentile in (0, 100] or 'off'")
+        raise ValueError(f"{name}={raw!r}: a percentile in (0, 100] or 'off'")
     return p
+
+
+def configured_percentile() -> float | None:
+    """SGLANG_L3_PREDICTED_RETURN: the percentile, or None when off."""
+    return percentile_setting("SGLANG_L3_PREDICTED_RETURN")
 
 
 @dataclass

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_l3 import envs, metrics
-from sglang_l3.return_prediction import ReturnPredictor
+from sglang_l3.return_prediction import ReturnPredictor, percentile_setting
 
 logger = logging.getLogger("sglang_l3.tool_pins")
 
@@ -45,15 +45,9 @@ ENV_MAX = "SGLANG_L3_TOOL_PIN_MAX_S"
 def configured() -> tuple[float, float] | None:
     """(percentile, max TTL s) from SGLANG_L3_TOOL_PIN / _MAX_S, or None when off.
     A bad value raises ValueError with the reason (start-up fails)."""
-    raw = envs.value(ENV).strip().lower()
-    if raw in ("", "off", "0", "false", "no"):
+    pct = percentile_setting(ENV)
+    if pct is None:
         return None
-    try:
-        pct = float(raw)
-    except ValueError as e:
-        raise ValueError(f"{ENV}={raw!r}: a percentile in (0, 100] or 'off'") from e
-    if not 0 < pct <= 100:
-        raise ValueError(f"{ENV}={raw!r}: a percentile in (0, 100] or 'off'")
     raw_max = envs.value(ENV_MAX).strip()
     try:
         max_s = float(raw_max)

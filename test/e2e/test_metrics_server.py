@@ -55,7 +55,7 @@ def doctor_stats(stats_dir: str) -> dict[str, float]:
     return next(c for c in rep["checks"] if c["name"] == "stats")["data"]
 
 
-def _until(fn, want, what: str, timeout: float = 120.0):
+def until(fn, want, what: str, timeout: float = 120.0):
     deadline = time.monotonic() + timeout
     got = None
     while time.monotonic() < deadline:
@@ -91,7 +91,7 @@ def test_counters_at_metrics_and_in_doctor_after_a_restore(tmp_path, hash_extens
         def settled(c: dict) -> bool:
             return c.get("l3_restores") == 1 and c.get("store_read_hits", 0) >= pages
 
-        prom = _until(lambda: prom_counters(s.get_text("/metrics")), settled, "/metrics counters")
+        prom = until(lambda: prom_counters(s.get_text("/metrics")), settled, "/metrics counters")
         # one restore, re-anchored by the patch, nothing fell back or stopped
         assert prom["l3_restores"] == 1
         assert not any(k.startswith(("recompute_fallbacks", "fail_stops")) for k in prom), prom
@@ -105,7 +105,7 @@ def test_counters_at_metrics_and_in_doctor_after_a_restore(tmp_path, hash_extens
         assert re.search(r"^sglang:prefetch_pgs_count\{.*\} [1-9]", text, re.M), "get_stats() fed nothing"
 
         # doctor --stats: the same values, read from the published snapshot
-        stats = _until(
+        stats = until(
             lambda: doctor_stats(stats_dir),
             lambda d: d.get("store_read_hits") == prom["store_read_hits"],
             "doctor --stats",

@@ -15,6 +15,7 @@ tool results a client would. Checked:
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 from l3_e2e import STARTUP_TIMEOUT
 
+from sglang_l3.testing.chat_stream import read_stream
 from sglang_l3.testing.scripted_decode import ENV, answer_step, read_records, tool_step, write_script
 from sglang_l3.testing.server import Server, ServerConfig, warm_hicache_hash_extension
 
@@ -111,24 +113,9 @@ def _call(server: Server, messages: list[dict], stream: bool) -> dict[str, Any]:
             "finish": r.choices[0].finish_reason,
             "cached": r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else None,
         }
-    out: dict[str, Any] = {"content": "", "reasoning": "", "calls": [], "finish": None, "cached": None}
-    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
-        if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
-            out["cached"] = chunk.usage.prompt_tokens_details.cached_tokens
-        for choice in chunk.choices:
-            d = choice.delta
-            out["content"] += d.content or ""
-            out["reasoning"] += getattr(d, "reasoning_content", None) or ""
-            for tc in d.tool_calls or []:
-                while len(out["calls"]) <= tc.index:
-                    out["calls"].append({"id": None, "name": "", "arguments": ""})
-                c = out["calls"][tc.index]
-                c["id"] = tc.id or c["id"]
-                if tc.function is not None:
-                    c["name"] += tc.function.name or ""
-                    c["arguments"] += tc.function.arguments or ""
-            out["finish"] = choice.finish_reason or out["finish"]
-    return out
+    return asdict(
+        read_stream(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    )
 
 
 def _agent(server: Server) -> tuple[list[list[dict]], list[dict]]:

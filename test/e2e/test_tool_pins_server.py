@@ -11,14 +11,16 @@ server that caches nothing (placement only)."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from l3_e2e import STARTUP_TIMEOUT
-from test_metrics_server import doctor_stats
+from test_metrics_server import doctor_stats, until
 
+from sglang_l3.testing.chat_stream import read_stream
 from sglang_l3.testing.scripted_decode import ENV, answer_step, read_records, tool_step, write_script
 from sglang_l3.testing.server import Server, ServerConfig, warm_hicache_hash_extension
 
@@ -60,22 +62,8 @@ def _call(server: Server, messages: list[dict]) -> dict[str, Any]:
 
     client = OpenAI(base_url=server.base + "/v1", api_key="unused", timeout=900, max_retries=0)
     model = client.models.list().data[0].id
-    out: dict[str, Any] = {"content": "", "calls": [], "finish": None}
     kw = {"model": model, "messages": messages, "tools": [TOOL], "max_tokens": 256}
-    for chunk in client.chat.completions.create(**kw, stream=True):
-        for choice in chunk.choices:
-            d = choice.delta
-            out["content"] += d.content or ""
-            for tc in d.tool_calls or []:
-                while len(out["calls"]) <= tc.index:
-                    out["calls"].append({"id": None, "name": "", "arguments": ""})
-                c = out["calls"][tc.index]
-                c["id"] = tc.id or c["id"]
-                if tc.function is not None:
-                    c["name"] += tc.function.name or ""
-                    c["arguments"] += tc.function.arguments or ""
-            out["finish"] = choice.finish_reason or out["finish"]
-    return out
+    return asdict(read_stream(client.chat.completions.create(**kw, stream=True)))
 
 
 def _agent(server: Server) -> list[list[dict]]:
@@ -105,17 +93,6 @@ def _agent(server: Server) -> list[list[dict]]:
     return sent
 
 
-def _until(fn, want, what: str, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    got = None
-    while time.monotonic() < deadline:
-        got = fn()
-        if want(got):
-            return got
-        time.sleep(1.0)
-    raise AssertionError(f"{what}: {got}")
-
-
 def test_a_plain_agents_tool_call_turns_are_pinned_and_answers_match_a_fresh_server(tmp_path) -> None:
     from sglang_l3.cpu import accelerator_present
 
@@ -143,7 +120,7 @@ def test_a_plain_agents_tool_call_turns_are_pinned_and_answers_match_a_fresh_ser
             "l3_tool_pin{hit}": 2,
             "l3_tool_pin{expired}": 1,
         }
-        got = _until(
+        got = until(
             lambda: {k: doctor_stats(stats).get(k, 0) for k in want},
             lambda c: c == want,
             "tool pin counters",
