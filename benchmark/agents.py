@@ -48,7 +48,7 @@ byte-capped with noise as above:
             return (SGLANG_L3_PREDICTED_RETURN=25) and tool pins
             (SGLANG_L3_TOOL_PIN=--tool-pin, default 90)
   plain_off the same with this issue's features and retention disabled
-            (SGLANG_L3_DISABLE=sessions,implicit-sessions,tool-pins): upstream's LRU
+            (SGLANG_L3_DISABLE=sessions,implicit-sessions,tool-call-turns,tool-pins): upstream's LRU
   hinted    today's best: session_id on every call and a hint of the next
             speaker
 last line: plain_ttft_vs_hinted=A plain_hit_vs_lru=B ttl_hits=C/D (A = median
@@ -464,7 +464,7 @@ def plain_runs(args: argparse.Namespace, pool: int, work: Path) -> int:
         "plain_off",
         work / "plain_off",
         pool=pool,
-        env={"SGLANG_L3_DISABLE": "sessions,implicit-sessions,tool-pins", "SGLANG_L3_TOOL_PIN": "off"},
+        env={"SGLANG_L3_DISABLE": "sessions,implicit-sessions,tool-call-turns,tool-pins", "SGLANG_L3_TOOL_PIN": "off"},
         **capped,
     )
     hinted, _ = chat_run(

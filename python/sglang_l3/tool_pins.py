@@ -4,7 +4,8 @@ An agent's turn that ends in a tool call comes back when the tool is done: a
 gap with a history. Per session (implicit, sglang_l3.implicit_sessions) this
 keeps the gaps between a turn's answer and the session's next request
 (sglang_l3.return_prediction). When a turn ends in a tool call (the server's
-tool-call parser found one: `finish_reason` "tool_calls"), its context is
+tool-call parser found one: `finish_reason` "tool_calls"; sglang_l3.tool_turns
+pairs the answer with its session), its context is
 *pinned* on the device for a TTL: the PERCENTILE-th percentile of the
 session's own gaps (of every session's recent gaps while it has fewer than
 MIN_GAPS; no pin while neither has), at most MAX_S seconds. The pin ends when
@@ -37,7 +38,6 @@ logger = logging.getLogger("sglang_l3.tool_pins")
 METHOD = "sglang_l3_tool_pin"  # the RpcReqInput method the scheduler side takes out of the stream
 PIN, RETURNED, EXPIRED = "pin", "returned", "expired"  # message ops (also counter labels)
 MAX_PINS = 32  # pins held at once (the one expiring last gives way first: see patches/tool_pins.py)
-MAX_RECENT = 4096  # finished requests remembered (rid -> session) until their answer is parsed
 ENV = "SGLANG_L3_TOOL_PIN"
 ENV_MAX = "SGLANG_L3_TOOL_PIN_MAX_S"
 
@@ -72,18 +72,6 @@ class PinBook:
         self.pct, self.max_s, self._now = pct, max_s, now
         self.gaps = ReturnPredictor(pct, now)
         self.pins: OrderedDict[str, Pin] = OrderedDict()  # session -> its pin
-        self.recent: OrderedDict[str, str] = OrderedDict()  # finished rid -> session
-        self.awaiting: OrderedDict[str, bool] = OrderedDict()  # tool-call rids not yet finished
-
-    def finished(self, rid: str, sid: str) -> bool:
-        """rid (a turn of sid) finished; True when its tool call was already seen
-        (a whole answer is parsed before the request's bookkeeping ends)."""
-        if self.awaiting.pop(rid, None) is not None:
-            return True
-        self.recent[rid] = sid
-        while len(self.recent) > MAX_RECENT:
-            self.recent.popitem(last=False)
-        return False
 
     def answered(self, sid: str) -> None:
         self.gaps.answered(sid)
@@ -92,16 +80,6 @@ class PinBook:
         """A request of sid arrived: its gap is history; its pin (returned) if any."""
         self.gaps.arrived(sid)
         return self.pins.pop(sid, None)
-
-    def tool_call(self, rid: str) -> str | None:
-        """The answer to rid ended in a tool call: its session, or None (not yet
-        known: remembered until rid's turn finishes, see `finished`)."""
-        sid = self.recent.pop(rid, None)
-        if sid is None:
-            self.awaiting[rid] = True
-            while len(self.awaiting) > MAX_RECENT:
-                self.awaiting.popitem(last=False)
-        return sid
 
     def ttl(self, sid: str) -> float | None:
         """How long sid's context stays pinned: None while there are no gaps to learn from."""
@@ -153,18 +131,6 @@ def send(tm: Any, op: str, sid: str, order_ms: int = 0) -> None:
     tm._dispatch_to_scheduler(RpcReqInput(method=METHOD, parameters={"op": op, "session": sid, "order": order_ms}))
 
 
-def _single_rank(tm: Any) -> bool:
-    # with data parallelism the pin would reach another rank's tree than the turn's
-    return int(getattr(getattr(tm, "server_args", None), "dp_size", 1) or 1) == 1
-
-
-def on_finished(tm: Any, rid: str, sid: str) -> None:
-    """rid, a turn of sid, finished (its output is known)."""
-    b = book()
-    if b is not None and b.finished(rid, sid):
-        _pin(tm, b, rid, sid)
-
-
 def on_answer(sid: str) -> None:
     b = book()
     if b is not None:
@@ -186,13 +152,10 @@ def on_arrival(tm: Any, sid: str) -> None:
             logger.exception("sglang-l3 tool pin: cannot send the return of %s", sid)
 
 
-def on_tool_call(tm: Any, rid: str) -> None:
-    """The answer to rid ended in a tool call (the parser found one)."""
+def on_tool_turn(tm: Any, rid: str, sid: str) -> None:
+    """rid, a turn of sid, ended in a tool call (sglang_l3.tool_turns pairs the two)."""
     b = book()
-    if b is None or not _single_rank(tm):
-        return
-    sid = b.tool_call(rid)
-    if sid is not None:
+    if b is not None:
         _pin(tm, b, rid, sid)
 
 
@@ -232,7 +195,6 @@ __all__ = [
     "configured",
     "on_answer",
     "on_arrival",
-    "on_finished",
-    "on_tool_call",
+    "on_tool_turn",
     "send",
 ]

@@ -139,8 +139,10 @@ def session_rows(s: dict[str, Any], page_size: int | None = None) -> list[dict[s
             state = "speaking"
         elif sid in staging:
             state = "staging"
-        elif t.get("state") == "open" and not (t.get("kind") == "implicit" and int(t.get("turns") or 0) < 2):
-            state = "pinned"  # (a one-turn implicit session ranks with closed ones in the store)
+        elif t.get("state") == "open" and not (
+            t.get("kind") == "implicit" and int(t.get("turns") or 0) < 2 and not t.get("tool_calls")
+        ):
+            state = "pinned"  # (a one-off implicit session ranks with closed ones in the store)
         else:
             state = "idle"
         restorable = t.get("restorable_pages")

@@ -116,6 +116,7 @@ def test_a_plain_agents_tool_call_turns_are_pinned_and_answers_match_a_fresh_ser
         # the README's flags leave --page-size to the model's default)
         want = {
             "implicit_sessions{continued}": CALLS - 1,
+            "session_tool_turns": CALLS,  # every answer a tool call, each told to the scheduler (tool-call-turns)
             "l3_tool_pin{pinned}": 3,
             "l3_tool_pin{hit}": 2,
             "l3_tool_pin{expired}": 1,

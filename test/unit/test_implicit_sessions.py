@@ -202,7 +202,7 @@ def test_table_reads_records_written_before_the_implicit_fields():
     ).encode()
     data = json.dumps({"sha256": hashlib.sha256(body).hexdigest()}).encode() + b"\n" + body
     (r,) = table.decode(data, "m")[1]
-    assert not r.implicit and r.turns == 0 and r.input_pages == 0
+    assert not r.implicit and r.turns == 0 and r.input_pages == 0 and r.tool_calls == 0
     bad = table.SessionRecord("b", keys(1), 4, input_pages=2)
     with pytest.raises(table.TableError):
         table.decode(table.encode("m", [bad]), "m")
@@ -312,3 +312,38 @@ def test_after_a_restart_the_hooks_continue_a_persisted_conversation(tmp_path):
     restarted = _TM(tmp_path)  # a new tokenizer manager reads the table
     _, again = _tokenized(restarted, a_in + _toks(7, 30), "r2")  # diverges right after the input
     assert again.session_id == tok.session_id
+
+
+def test_a_first_turn_that_ended_in_a_tool_call_ranks_as_a_conversation():
+    """Patch tool-call-turns: an agent's first call that ended in a tool call is a
+    conversation going on; a one-off prompt still ranks as closed."""
+    reg = SessionRetention(None, "m" * 16, writer=False)
+    agent, stray = _implicit(1), _implicit(2)
+    _turn(reg, agent, keys(3, "a"))
+    _turn(reg, stray, keys(3, "s"))
+    assert reg.class_of(keys(3, "a")[0]) == CLOSED
+    before = l3_metrics.get("session_tool_turns")
+    assert reg.on_tool_call(agent)
+    assert not reg.on_tool_call(_implicit(3))  # unknown: nothing to mark
+    assert l3_metrics.get("session_tool_turns") - before == 1
+    assert reg.class_of(keys(3, "a")[0]) == OPEN and reg.class_of(keys(3, "s")[0]) == CLOSED
+    _turn(reg, agent, keys(4, "a"))  # the tool's result: the next turn keeps the count
+    assert reg.get(agent).tool_calls == 1 and reg.get(agent).turns == 2
+
+
+def test_a_tool_calling_first_turn_is_reaped_after_the_one_offs():
+    reg = SessionRetention(None, "m" * 16, writer=False)
+    agent = _implicit(0)
+    _turn(reg, agent, keys(2, "agent"))  # the least recently used of all
+    reg.on_tool_call(agent)
+    for i in range(1, MAX_IMPLICIT + 5):
+        _turn(reg, _implicit(i), keys(2, f"one-{i}"))
+    assert reg.get(agent) is not None and reg.get(_implicit(1)) is None
+
+
+def test_the_table_keeps_tool_calls_and_refuses_a_bad_count():
+    rec = table.SessionRecord(_implicit(1), keys(2), 8, implicit=True, turns=1, tool_calls=2)
+    (got,) = table.decode(table.encode("m", [rec]), "m")[1]
+    assert got == rec and not got.one_off()
+    with pytest.raises(table.TableError):
+        table.decode(table.encode("m", [table.SessionRecord("b", keys(1), 4, tool_calls=-1)]), "m")

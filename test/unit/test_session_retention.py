@@ -294,3 +294,32 @@ def test_rewritten_history_demotes_the_stale_tail_before_plain_pages(tmp_path):
     reg.on_turn("agent-a", old, 32, finished=False)
     assert reg.class_of(old[5]) == OPEN
     st.close()
+
+
+def test_an_agents_first_turn_that_ended_in_a_tool_call_outlives_newer_one_off_prompts(tmp_path):
+    """Issue 31 item 5 on the store: every request without a session id is an
+    implicit session. An agent's first call that ended in a tool call (patch
+    tool-call-turns) keeps its pages while newer one-off prompts push the store
+    over its cap; an agent whose first call ended without one goes first, as
+    before (a one-off so far)."""
+    from sglang_l3.storage.sessions import IMPLICIT_PREFIX
+
+    kv = make_kv_pool()
+    fill_random(kv, 1)
+    st = _capped(tmp_path, kv, 12)
+    reg = st.store.sessions
+    agent, quiet = f"{IMPLICIT_PREFIX}{1:032x}", f"{IMPLICIT_PREFIX}{2:032x}"
+    a, q = keys(4, "agent"), keys(4, "quiet")
+    for sid, ks in ((agent, a), (quiet, q)):
+        assert all(st.batch_set_v1(ks, _idx(4)))
+        reg.on_turn(sid, ks[:3], 12, finished=False)
+        reg.on_turn(sid, ks, 16, input_pages=3)
+    assert reg.on_tool_call(agent)
+    for i in range(6):  # one-off prompts after the agents' calls: 8 + 12 pages > cap 12
+        noise, sid = keys(2, f"noise-{i}"), f"{IMPLICIT_PREFIX}{100 + i:032x}"
+        assert st.batch_set_v1(noise, _idx(2)) == [True, True]
+        reg.on_turn(sid, noise[:1], 4, finished=False)
+        reg.on_turn(sid, noise, 8, input_pages=1)
+    assert _present(st, a) == [True] * 4, "the tool-calling agent's context went with the noise"
+    assert not any(_present(st, q)), "the quiet first turn should rank as a one-off (least recently used first)"
+    st.close()

@@ -18,11 +18,10 @@ class Clock:
 
 
 def _turn(b: PinBook, clock: Clock, sid: str, rid: str, gap: float) -> None:
-    """sid comes back after gap s, its turn rid runs 1 s and finishes."""
+    """sid comes back after gap s, its turn rid runs 1 s and is answered."""
     clock.t += gap
     b.arrived(sid)
     clock.t += 1.0
-    b.finished(rid, sid)
     b.answered(sid)
 
 
@@ -32,7 +31,6 @@ def test_the_ttl_is_a_percentile_of_the_sessions_own_gaps():
     _turn(b, clock, "s", "r0", 0)
     for i, gap in enumerate([2.0, 4.0, 6.0, 8.0, 10.0]):
         _turn(b, clock, "s", f"r{i + 1}", gap)
-    assert b.tool_call("r5") == "s"
     assert b.ttl("s") == pytest.approx(9.2)  # 90th percentile of 2..10, linear between ranks
 
 
@@ -68,14 +66,6 @@ def test_a_return_ends_the_pin_and_an_expiry_only_its_own_pin():
     assert b.expire("s", "r2") is not None and not b.pins
 
 
-def test_a_tool_call_seen_before_the_turn_finished_pins_at_the_finish():
-    clock = Clock()
-    b = PinBook(90.0, 300.0, clock)
-    assert b.tool_call("r1") is None  # a whole answer is parsed before the turn's bookkeeping ends
-    assert b.finished("r1", "s") is True
-    assert b.finished("r2", "s") is False
-
-
 def test_pins_are_bounded_the_oldest_dropped():
     b = PinBook(90.0, 300.0, Clock())
     gone = []
@@ -101,13 +91,3 @@ def test_settings(monkeypatch):
     monkeypatch.setenv("SGLANG_L3_TOOL_PIN_MAX_S", "0")
     with pytest.raises(ValueError, match="SGLANG_L3_TOOL_PIN_MAX_S"):
         tool_pins.configured()
-
-
-def test_a_streamed_chunk_that_ends_in_tool_calls_names_its_request():
-    from sglang_l3.patches.tool_pins import tool_call_rid
-
-    end = 'data: {"id":"abc","object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}\n\n'
-    mid = 'data: {"id":"abc","choices":[{"index":0,"delta":{"tool_calls":[{"id":"t"}]},"finish_reason":null}]}\n\n'
-    assert tool_call_rid(end) == "abc"
-    assert tool_call_rid(mid) is None
-    assert tool_call_rid("data: [DONE]\n\n") is None

@@ -87,18 +87,21 @@ def test_frame_says_what_is_missing() -> None:
 def test_device_tokens_and_implicit_sessions() -> None:
     """The scheduler's device tokens go on the session's row ("-" where it does
     not remember the session); an implicit session is a row like any other, and
-    one with a single turn is not shown pinned (the store ranks it with closed ones)."""
+    one with a single turn and no tool call is not shown pinned (the store ranks it
+    with closed ones); one whose first turn ended in a tool call is."""
     now = time.time()
     answer = _answer({}, [])
     answer["sessions"] += [
         {"id": "implicit-aa", "state": "open", "kind": "implicit", "turns": 1, "restorable_pages": 2, "last_use": now},
         {"id": "implicit-bb", "state": "open", "kind": "implicit", "turns": 3, "restorable_pages": 5, "last_use": now},
+        {"id": "implicit-cc", "state": "open", "kind": "implicit", "turns": 1, "tool_calls": 1, "last_use": now},
     ]
     answer["device_tokens"] = {"open-one": 256, "implicit-bb": 320, "gone-from-table": 64}
     rows = {r["session"]: r for r in top.session_rows(answer, 64)}
     assert rows["open-one"]["device_tokens"] == 256 and rows["closed-one"]["device_tokens"] is None
     assert rows["implicit-bb"]["device_tokens"] == 320 and rows["implicit-bb"]["implicit"]
     assert rows["implicit-bb"]["state"] == "pinned" and rows["implicit-aa"]["state"] == "idle"
+    assert rows["implicit-cc"]["state"] == "pinned"
     assert rows["gone-from-table"]["device_tokens"] == 64 and not rows["gone-from-table"]["implicit"]
     text = top.render(top.frame_data("http://x", top.Sample(1.0, answer, None), top.Sample(2.0, answer, None)))
     line = next(x for x in text.splitlines() if x.startswith("implicit-bb "))

@@ -148,7 +148,7 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
 
 
 def _finished(tm: Any, st: _State, rid: str, out_ids: list[int]) -> None:
-    from sglang_l3 import tool_pins
+    from sglang_l3 import tool_turns
     from sglang_l3.implicit_sessions import end_pages, page_keys
     from sglang_l3.session_hints import BOOK
 
@@ -158,7 +158,7 @@ def _finished(tm: Any, st: _State, rid: str, out_ids: list[int]) -> None:
     sid, ids, extra, salt = entry
     context = ids + out_ids
     st.tracker.finished(sid, end_pages(len(ids), st.page_size), page_keys(context, st.page_size, extra, salt))
-    tool_pins.on_finished(tm, rid, sid)  # its answer may end in a tool call
+    tool_turns.on_finished(tm, rid, sid)  # its answer may end in a tool call
     BOOK.remember(sid, context)  # a hint can name the implicit session
 
 

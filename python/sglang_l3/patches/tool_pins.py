@@ -1,10 +1,8 @@
 """Patch `tool-pins`: a turn that ends in a tool call keeps its context on the device
 for a TTL learned from the session's own gaps (issue 31 item 2).
 
-The HTTP side (sglang_l3.tool_pins) decides: AROUND
-`OpenAIServingChat._generate_chat_stream` (streamed answers: the chunk whose
-`finish_reason` is "tool_calls") and AFTER `OpenAIServingChat._build_chat_response`
-(whole answers) it learns that a turn ended in a tool call, and sends the
+The HTTP side (sglang_l3.tool_pins) decides: told by patch `tool-call-turns`
+that a turn of an implicit session ended in a tool call, it sends the
 scheduler ranks a pin, later an unpin (the session's next request, or the
 TTL), as upstream `RpcReqInput` messages.
 
@@ -45,13 +43,13 @@ from typing import Any
 from sglang_l3 import metrics
 from sglang_l3.patches.framework import PatchContext
 from sglang_l3.patches.session_guard import contexts_of
+from sglang_l3.patches.tool_call_turns import take_messages
 from sglang_l3.tool_pins import EXPIRED, MAX_PINS, METHOD, PIN, RETURNED
 
 logger = logging.getLogger("sglang_l3.tool_pins")
 
 SCHED = "sglang.srt.managers.scheduler:Scheduler"
 CACHE = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
-CHAT = "sglang.srt.entrypoints.openai.serving_chat:OpenAIServingChat"
 
 
 @dataclass(frozen=True)
@@ -126,26 +124,9 @@ def touch_pinned(cache: Any) -> None:
         _TOUCHING.discard(cache)
 
 
-def _is_pin_message(req: Any) -> bool:
-    from sglang.srt.managers.io_struct import RpcReqInput
-
-    return isinstance(req, RpcReqInput) and req.method == METHOD
-
-
 def take_pin_messages(cache: Any, recv_reqs: list) -> list:
     """Apply the pin messages among recv_reqs, in order; the rest, in order."""
-    if not any(_is_pin_message(r) for r in recv_reqs):
-        return recv_reqs
-    rest = []
-    for r in recv_reqs:
-        if not _is_pin_message(r):
-            rest.append(r)
-            continue
-        try:
-            apply_message(cache, dict(r.parameters or {}))
-        except Exception:  # placement only: never take the scheduler down
-            logger.exception("sglang-l3 tool pin: cannot apply %s", r.parameters)
-    return rest
+    return take_messages(recv_reqs, METHOD, lambda params: apply_message(cache, params), "tool pin")
 
 
 def _process_input_requests(original: Any, sched: Any, recv_reqs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -161,52 +142,6 @@ def _before_evict(cache: Any, *args: Any, **kwargs: Any) -> None:
         logger.exception("sglang-l3 tool pin: cannot order the pinned contexts")
 
 
-def tool_call_rid(chunk: Any) -> str | None:
-    """The request id of a streamed chunk that ends a choice with tool calls."""
-    import json
-
-    if not isinstance(chunk, str) or "tool_calls" not in chunk or not chunk.startswith("data: "):
-        return None
-    try:
-        body = json.loads(chunk[len("data: ") :])
-    except ValueError:
-        return None
-    choices = body.get("choices") if isinstance(body, dict) else None
-    if isinstance(choices, list) and any(
-        isinstance(c, dict) and c.get("finish_reason") == "tool_calls" for c in choices
-    ):
-        rid = body.get("id")
-        return rid if isinstance(rid, str) else None
-    return None
-
-
-def _tool_call(serving: Any, rid: str) -> None:
-    from sglang_l3.tool_pins import on_tool_call
-
-    try:
-        on_tool_call(serving.tokenizer_manager, rid)
-    except Exception:  # placement only: never fail an answer
-        logger.exception("sglang-l3 tool pin: cannot pin the turn of %s", rid)
-
-
-def _generate_chat_stream(original: Any, serving: Any, *args: Any, **kwargs: Any) -> Any:
-    async def run() -> Any:
-        async for chunk in original(serving, *args, **kwargs):
-            rid = tool_call_rid(chunk)
-            if rid is not None:
-                _tool_call(serving, rid)
-            yield chunk
-
-    return run()
-
-
-def _after_build_chat_response(result: Any, serving: Any, *args: Any, **kwargs: Any) -> None:
-    choices = getattr(result, "choices", None)
-    rid = getattr(result, "id", None)
-    if isinstance(rid, str) and choices and any(getattr(c, "finish_reason", None) == "tool_calls" for c in choices):
-        _tool_call(serving, rid)
-
-
 def applicable() -> str | None:
     from sglang_l3.tool_pins import configured
 
@@ -218,5 +153,3 @@ def applicable() -> str | None:
 def apply(ctx: PatchContext) -> None:
     ctx.around(f"{SCHED}.process_input_requests", _process_input_requests)
     ctx.before(f"{CACHE}._evict", _before_evict)
-    ctx.around(f"{CHAT}._generate_chat_stream", _generate_chat_stream)
-    ctx.after(f"{CHAT}._build_chat_response", _after_build_chat_response)

@@ -14,10 +14,12 @@ classes:
 Within a session the deepest page goes first, so what stays is still a
 restorable prefix. An implicit session (named by the server for requests
 without a session_id, sglang_l3.implicit_sessions) ranks as closed until its
-second turn (a one-off prompt is not protected like a conversation), then as
-an open session of priority 0. Implicit sessions have no close: the registry
-keeps at most MAX_IMPLICIT of them and reaps the oldest one-turn session first
-(then the oldest), by the order of calls, which is the same on every rank.
+second turn or its first turn that ended in a tool call (a one-off prompt is
+not protected like a conversation; a tool call is one going on: patch
+tool-call-turns), then as an open session of priority 0. Implicit sessions
+have no close: the registry keeps at most MAX_IMPLICIT of them and reaps the
+oldest one-off session first (then the oldest), by the order of calls, which
+is the same on every rank.
 
 Rewritten history: when a session's new turn diverges from its recorded
 chain before that chain's input ends (the client compressed or edited its
@@ -135,10 +137,10 @@ class SessionRetention:
         self._wake.set()
 
     def _reap_victim(self) -> str:
-        """The implicit session to forget: the least recently used one-turn
-        session (a one-off prompt), else the least recently used one."""
+        """The implicit session to forget: the least recently used one-off
+        session (a stray prompt), else the least recently used one."""
         for sid in self._implicit:
-            if self._sessions[sid].turns < 2:
+            if self._sessions[sid].one_off():
                 return sid
         return next(iter(self._implicit))
 
@@ -168,6 +170,7 @@ class SessionRetention:
             turns = (old.turns if old else 0) + (0 if finished else 1)
             rec = SessionRecord(sid, list(keys), int(tokens), int(prio), self._now(), is_open)
             rec.implicit, rec.turns, rec.input_pages = is_implicit_id(sid), max(turns, 1), n_in
+            rec.tool_calls = old.tool_calls if old else 0
             stale = [] if old is None else self._stale_tail(old, keys)
             self._put(rec)
             for k in stale:
@@ -195,6 +198,18 @@ class SessionRetention:
         if shared >= end or shared >= len(old.keys):
             return []
         return old.keys[shared:]
+
+    def on_tool_call(self, sid: str) -> bool:
+        """A turn of sid ended in a tool call (its next request is on the way):
+        from now on it ranks as a conversation. False for an unknown session."""
+        with self._lock:
+            rec = self._sessions.get(sid)
+            if rec is None:
+                return False
+            rec.tool_calls += 1
+            self._changed()
+        l3_metrics.inc("session_tool_turns")
+        return True
 
     def demoted(self, key: str) -> bool:
         with self._lock:
@@ -265,7 +280,7 @@ class SessionRetention:
         best: tuple | None = None
         for sid, depth in owners.items():
             r = self._sessions[sid]
-            if r.implicit and r.turns < 2:  # a one-off so far: not protected like a conversation
+            if r.one_off():  # a stray prompt so far: not protected like a conversation
                 t = (CLOSED, 0, r.last_use, -depth)
             elif r.open:
                 t = (OPEN, r.priority, r.last_use, -depth)

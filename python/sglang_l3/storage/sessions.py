@@ -51,6 +51,12 @@ class SessionRecord:
     implicit: bool = False  # named by the server (no session_id from the client)
     turns: int = 0  # turns queued since this server (or table) first saw it
     input_pages: int = 0  # full pages of the last turn's input up to its end point (implicit_sessions.end_pages)
+    tool_calls: int = 0  # turns that ended in a tool call (patch tool-call-turns)
+
+    def one_off(self) -> bool:
+        """An implicit session with one turn and no tool call so far: a stray
+        prompt, not (yet) a conversation."""
+        return self.implicit and self.turns < 2 and self.tool_calls == 0
 
     def copy(self) -> SessionRecord:
         return replace(self, keys=list(self.keys))
@@ -132,15 +138,20 @@ def _record(d: object) -> SessionRecord:
         raise TableError(f"session {sid!r}: malformed fields")
     # fields added after version 1 was written: optional, with their defaults
     implicit, turns, input_pages = d.get("implicit", False), d.get("turns", 0), d.get("input_pages", 0)
+    tool_calls = d.get("tool_calls", 0)
     if not (
         isinstance(implicit, bool)
         and isinstance(turns, int)
         and turns >= 0
         and isinstance(input_pages, int)
         and 0 <= input_pages <= len(keys)
+        and isinstance(tool_calls, int)
+        and tool_calls >= 0
     ):
         raise TableError(f"session {sid!r}: malformed fields")
-    return SessionRecord(sid, list(keys), tokens, priority, float(last_use), is_open, implicit, turns, input_pages)
+    return SessionRecord(
+        sid, list(keys), tokens, priority, float(last_use), is_open, implicit, turns, input_pages, tool_calls
+    )
 
 
 def decode(data: bytes, mid: str | None) -> tuple[str, list[SessionRecord]]:
@@ -272,6 +283,7 @@ def session_rows(root: str, model: str | None = None) -> list[dict[str, Any]]:
                     "state": "open" if r.open else "closed",
                     "kind": "implicit" if r.implicit else "explicit",
                     "turns": r.turns,
+                    "tool_calls": r.tool_calls,
                     "priority": r.priority,
                     "tokens": r.tokens,
                     "chain_pages": len(r.keys),
