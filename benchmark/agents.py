@@ -37,7 +37,7 @@ Runs:
 
 --plain (issue 31): the same agents as Hermes sends them - chat calls to
 /v1/chat/completions on tiny Qwen3.5 (text) with the README's agent flags
-(tool-call and reasoning parsers, no --page-size), the tool on every call,
+(tool-call and reasoning parsers, --page-size 64), the tool on every call,
 streamed, append-only history, no session_id, no hints. Each answer is a tool
 call (patch scripted-decode); its result (--message tokens) is sent after a
 gap that varies by turn: --think x a seeded log-uniform factor in [0.2, 5].
@@ -47,6 +47,8 @@ byte-capped with noise as above:
   plain     implicit sessions (the server finds each conversation), predicted
             return (SGLANG_L3_PREDICTED_RETURN=25) and tool pins
             (SGLANG_L3_TOOL_PIN=--tool-pin, default 90)
+  readme    the README's command as it stands: implicit sessions, retention and
+            tool-call turns, none of the opt-ins (no predicted return, no pins)
   plain_off the same with this issue's features and retention disabled
             (SGLANG_L3_DISABLE=sessions,implicit-sessions,tool-call-turns,tool-pins): upstream's LRU
   hinted    today's best: session_id on every call and a hint of the next
@@ -297,8 +299,9 @@ def _first_messages(a: int, context: int) -> list[dict]:
 
 
 def _chat_config(args: argparse.Namespace, script: Path, store: Path, pool: int, env: dict, **extra) -> ServerConfig:
-    """tiny Qwen3.5 (text) with the README's agent flags, by default no --page-size (the
-    model's default, as the user serves), buffer-only L3 over the file store."""
+    """tiny Qwen3.5 (text) with the README's agent flags (--page-size 64 unless
+    --page-size says otherwise; 0: none given, the model's default), buffer-only L3
+    over the file store."""
     from dataclasses import replace
 
     from sglang_l3.testing.hermes_scenario import server_config
@@ -313,7 +316,7 @@ def _chat_config(args: argparse.Namespace, script: Path, store: Path, pool: int,
     return replace(
         cfg,
         device=args.device,
-        page_size=args.page_size,
+        page_size=args.page_size or None,
         chunked_prefill_size=256,
         storage_extra_config=extra,
         env={**cfg.env, **env},
@@ -449,7 +452,7 @@ def chat_run(
 
 
 def plain_runs(args: argparse.Namespace, pool: int, work: Path) -> int:
-    """--plain: plain (this issue's features), plain_off (disabled), hinted;
+    """--plain: plain (this issue's features), readme (no opt-ins), plain_off (disabled), hinted;
     all byte-capped with noise, the cap measured on an uncapped plain run."""
     pin = {"SGLANG_L3_TOOL_PIN": args.tool_pin}
     probe, _ = chat_run(args, "probe", work / "probe", pool=pool, log_dir=work, env=pin)
@@ -459,6 +462,9 @@ def plain_runs(args: argparse.Namespace, pool: int, work: Path) -> int:
     plain, pins = chat_run(
         args, "plain", work / "plain", pool=pool, env={"SGLANG_L3_PREDICTED_RETURN": "25", **pin}, **capped
     )
+    readme, _ = chat_run(
+        args, "readme", work / "readme", pool=pool, env={"SGLANG_L3_TOOL_PIN": "off"}, **capped
+    )  # the README's command as it stands: no opt-ins (no predicted return, no tool pins)
     off, _ = chat_run(
         args,
         "plain_off",
@@ -470,7 +476,7 @@ def plain_runs(args: argparse.Namespace, pool: int, work: Path) -> int:
     hinted, _ = chat_run(
         args, "hinted", work / "hinted", pool=pool, hints=True, env={"SGLANG_L3_TOOL_PIN": "off"}, **capped
     )
-    runs = {"plain": plain, "plain_off": off, "hinted": hinted}
+    runs = {"plain": plain, "readme": readme, "plain_off": off, "hinted": hinted}
     print(
         f"capped runs: agents' contexts {contexts / 2**20:.2f} MiB in L3 (probe: plain, uncapped; "
         f"TTFT {probe.median_ttft * 1e3:.1f} ms), byte cap {cap / 2**20:.2f} MiB ({args.cap}x), "
@@ -481,6 +487,9 @@ def plain_runs(args: argparse.Namespace, pool: int, work: Path) -> int:
     a = plain.median_ttft / hinted.median_ttft
     b = plain.hit / off.hit if off.hit else float("inf")
     c, d = int(pins["l3_tool_pin{hit}"]), int(pins["l3_tool_pin{pinned}"])
+    ra = readme.median_ttft / hinted.median_ttft
+    rb = readme.hit / off.hit if off.hit else float("inf")
+    print(f"readme (no opt-ins): ttft_vs_hinted={ra:.2f} hit_vs_lru={rb:.2f}")
     print(f"plain_ttft_vs_hinted={a:.2f} plain_hit_vs_lru={b:.2f} ttl_hits={c}/{d}")
     return 0
 
@@ -568,8 +577,9 @@ def main() -> int:
     ap.add_argument(
         "--page-size",
         type=int,
-        default=None,
-        help="--page-size of the --plain servers (default: none given, the model's default, as the README serves)",
+        default=64,
+        help="--page-size of the --plain servers (default 64, as the README serves; 0: none given, the "
+        "model's default, 1 for Qwen3.5)",
     )
     ap.add_argument(
         "--tool-pin",
