@@ -66,9 +66,10 @@ def apply_message(registry: Any, params: dict[str, Any]) -> None:
 
 
 def _process_input_requests(original: Any, sched: Any, recv_reqs: Any, *args: Any, **kwargs: Any) -> Any:
-    if recv_reqs:
-        reg = registry_of(sched.tree_cache)
-        recv_reqs = take_messages(recv_reqs, METHOD, lambda params: apply_message(reg, params), "tool turn")
+    if recv_reqs:  # the registry is looked up only when a message of ours is there (most iterations have none)
+        recv_reqs = take_messages(
+            recv_reqs, METHOD, lambda params: apply_message(registry_of(sched.tree_cache), params), "tool turn"
+        )
     return original(sched, recv_reqs, *args, **kwargs)
 
 
