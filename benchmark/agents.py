@@ -386,8 +386,8 @@ def chat_run(
     of the next speaker (today's best); else no session id, no hint."""
     from openai import OpenAI
 
-    from sglang_l3.testing.scripted_decode import ENV as SCRIPT_ENV
-    from sglang_l3.testing.scripted_decode import read_records, tool_step, write_script
+    from sglang_l3.testing.script_writer import ENV as SCRIPT_ENV
+    from sglang_l3.testing.script_writer import read_records, tool_step, write_script
 
     record = log_dir / f"{label}.jsonl"
     rules = {_marker(a): [tool_step(f"Agent {a}: next step.", "run", cmd="make next")] for a in range(args.agents)}

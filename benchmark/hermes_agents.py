@@ -55,7 +55,7 @@ from sglang_l3.testing.hermes_scenario import (
     task_prompt,
 )
 from sglang_l3.testing.relay import Relay
-from sglang_l3.testing.scripted_decode import read_records, write_script
+from sglang_l3.testing.script_writer import read_records, write_script
 from sglang_l3.testing.server import warm_hicache_hash_extension
 
 NAMES = ("agent-amber", "agent-birch")

@@ -8,7 +8,7 @@ upstream's load stream; a CPU server has no asynchronous device (torch.cpu strea
 nothing), so every copy is synchronous there whatever the patch does. The harness runs
 the real upstream cache stack (UnifiedRadixCache + HybridCacheController + buffer-only
 HiCache + our store) at one TP=2 rank's Qwen3-Next-80B-A3B sizes (benchmark/restore_bench.py),
-on the simulated device in threaded mode (`sglang_l3.testing.sim`): a device thread runs
+on the simulated device in threaded mode (`sglang_l3.sim.harness`): a device thread runs
 what is queued on the load stream, as a copy engine does, beside the scheduler thread.
 
 The scheduler loop stand-in ticks once per decode step of request A: upstream's
@@ -124,9 +124,9 @@ def calibrate(ms: float) -> int:
 def run(
     name: str, spec: Any, store: str, seq: list[int], buffer_tokens: int, args: Any, *, restore: bool, device: str
 ) -> Run:
-    import sglang_l3.patches.streamed_restore as sr
-    from sglang_l3.cpu import sim_streams
-    from sglang_l3.testing.sim import simulated_device
+    import sglang_l3.patches.hicache.streamed_restore as sr
+    from sglang_l3.sim import streams as sim_streams
+    from sglang_l3.sim.harness import simulated_device
     from sglang_l3.testing.stack import L3Stack
 
     out = Run(name)

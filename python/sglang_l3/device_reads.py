@@ -7,7 +7,7 @@ streamed restore's R) takes one host copy when the rows are allocated (`host_cop
 hands slices of it to every piece instead.
 
 The copies taken here are remembered weakly (`is_host_copy`, slices included), so the
-simulated device (`sglang_l3.cpu.sim_streams`) can charge every other such read as the
+simulated device (`sglang_l3.sim.streams`) can charge every other such read as the
 sync it is on a GPU.
 """
 

@@ -1,12 +1,11 @@
-"""Test-only fault injection (`SGLANG_L3_TEST_FAULT`, docs/operations.md): the one
-place runtime modules ask whether a named fault is on.
+"""Test faults (`SGLANG_L3_TEST_FAULT`, docs/operations.md): the one question a
+runtime module asks, "is fault NAME active here?". The machinery (parsing, where a
+fault is honoured, once-per-process faults, holds) lives with the simulated device
+in `sglang_l3.sim.faults` and is imported only while the variable is set: a served
+process without it never loads any of it.
 
-A fault is honoured only while the CPU switch (`sglang_l3.cpu`: tests, `make demo`)
-or the simulated device (`sglang_l3.cpu.sim_streams`) is active in this process:
-on a served GPU the variable is ignored (one warning), so a stray setting can never
-remove a real fence or hold a real server's restores.
-
-Faults (`NAME` or `NAME@ARGUMENT`, several separated by commas):
+Faults (`NAME` or `NAME@ARGUMENT`, several separated by commas), honoured only with
+the CPU switch or the simulated device (never next to an accelerator):
 - skip-load-fence: the streamed restore queues piece copies without the fence on the
   forward stream (the simulated-stream tests must then fail);
 - stream-hold@PATH: streamed restores start no read while PATH exists, for at most
@@ -20,13 +19,9 @@ Faults (`NAME` or `NAME@ARGUMENT`, several separated by commas):
 
 from __future__ import annotations
 
-import logging
-import os
-import time
+from types import ModuleType
 
 from sglang_l3 import envs
-
-logger = logging.getLogger("sglang_l3.faults")
 
 ENV = "SGLANG_L3_TEST_FAULT"
 SKIP_LOAD_FENCE = "skip-load-fence"
@@ -34,82 +29,48 @@ STREAM_HOLD = "stream-hold"
 RESTORE_FALLBACK = "restore-fallback"
 CUT_NOT_WAIT = "cut-not-wait"
 NAMES = (SKIP_LOAD_FENCE, STREAM_HOLD, RESTORE_FALLBACK, CUT_NOT_WAIT)
-HOLD_S = 120.0
-
-# process state of the faults (this module only): faults spent, when each hold was first seen
-_SPENT: set[str] = set()
-_HOLD_SINCE: dict[str, float] = {}
-_WARNED: list[bool] = [False]
-_NOTED: dict[str, object] = {}
-_NOTHING = object()
 
 
 class FaultError(ValueError):
     pass
 
 
-def _settings() -> dict[str, str | None]:
-    """{name: argument} of every fault set (an empty dict: none)."""
-    raw = (envs.value(ENV) or "").strip()
-    if not raw or raw == "unset":
-        return {}
-    out: dict[str, str | None] = {}
-    for item in (x.strip() for x in raw.split(",")):
-        name, sep, arg = item.partition("@")
-        if name not in NAMES:
-            raise FaultError(f"{ENV}={raw!r}: unknown fault {name!r} (known: {', '.join(NAMES)})")
-        out[name] = arg if sep else None
-    return out
+def _set() -> bool:
+    return (envs.value(ENV) or "").strip() not in ("", "unset")
+
+
+def _machinery() -> ModuleType:
+    from sglang_l3.sim import faults
+
+    return faults
 
 
 def honoured() -> bool:
-    """Faults apply here: the CPU switch is on (no accelerator) or the simulator is installed."""
-    from sglang_l3 import cpu
-    from sglang_l3.cpu import sim_streams
-
-    return sim_streams.installed() or cpu.enabled()
+    """Faults would apply in this process (the CPU switch or the simulated device is on)."""
+    return bool(_machinery().honoured())
 
 
 def active(name: str) -> bool:
-    """Fault `name` is set, honoured here, and not spent. An unknown fault name is an
-    error where faults are honoured (a mistyped negative control must not pass)."""
-    if (envs.value(ENV) or "").strip() in ("", "unset"):
-        return False
-    if not honoured():
-        if not _WARNED[0]:
-            _WARNED[0] = True
-            logger.warning(
-                "sglang-l3: %s ignored: test faults apply only with the CPU switch or the simulated device", ENV
-            )
-        return False
-    return name in _settings() and name not in _SPENT
+    """Fault `name` is set, honoured here and not spent (an unknown name where faults
+    are honoured: FaultError)."""
+    return _set() and bool(_machinery().active(name))
 
 
 def argument(name: str) -> str | None:
     """The ARGUMENT of an active `name@ARGUMENT` fault (None: not active or none given)."""
-    if not active(name):
-        return None
-    return _settings().get(name)
+    return _machinery().argument(name) if _set() else None
 
 
 def spend(name: str) -> None:
     """A once-per-process fault has fired: `active(name)` is False from now on."""
-    _SPENT.add(name)
-
-
-def changed(key: str, value: object) -> bool:
-    """True when `value` differs from the last one noted under `key` (log a change once)."""
-    if _NOTED.get(key, _NOTHING) == value:
-        return False
-    _NOTED[key] = value
-    return True
+    _machinery().spend(name)
 
 
 def held(name: str = STREAM_HOLD) -> bool:
     """An active `name@PATH` hold: PATH exists, first seen less than HOLD_S ago."""
-    path = argument(name)
-    if path is None or not os.path.exists(path):
-        _HOLD_SINCE.pop(name, None)
-        return False
-    since = _HOLD_SINCE.setdefault(name, time.monotonic())
-    return time.monotonic() - since < HOLD_S
+    return _set() and bool(_machinery().held(name))
+
+
+def changed(key: str, value: object) -> bool:
+    """True when `value` differs from the last one noted under `key` (log a change once)."""
+    return bool(_machinery().changed(key, value))

@@ -35,7 +35,7 @@ import pytest
 from sglang_l3.testing import hermes
 from sglang_l3.testing import hermes_scenario as scenario
 from sglang_l3.testing.hermes_scenario import CONTEXT, SERVED_NAME, ideal, replay_no_cache, server_config
-from sglang_l3.testing.scripted_decode import answer_step, read_records, tool_step, write_script
+from sglang_l3.testing.script_writer import answer_step, read_records, tool_step, write_script
 from sglang_l3.testing.server import warm_hicache_hash_extension
 
 pytestmark = [pytest.mark.agents, pytest.mark.e2e, pytest.mark.slow]

@@ -43,7 +43,7 @@ from sglang_l3.testing.hermes_scenario import (
     task_marker,
     task_prompt,
 )
-from sglang_l3.testing.scripted_decode import answer_step, read_records, tool_step, write_script
+from sglang_l3.testing.script_writer import answer_step, read_records, tool_step, write_script
 
 pytestmark = [pytest.mark.agents, pytest.mark.e2e, pytest.mark.slow]
 

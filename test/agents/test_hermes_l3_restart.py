@@ -60,7 +60,7 @@ from sglang_l3.testing.hermes_scenario import (
 )
 from sglang_l3.testing.many_agents import host_tokens
 from sglang_l3.testing.relay import Relay
-from sglang_l3.testing.scripted_decode import read_records, write_script
+from sglang_l3.testing.script_writer import read_records, write_script
 from sglang_l3.testing.server import warm_hicache_hash_extension
 
 pytestmark = [pytest.mark.agents, pytest.mark.e2e, pytest.mark.slow]

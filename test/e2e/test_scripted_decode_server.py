@@ -24,7 +24,7 @@ import pytest
 from l3_e2e import STARTUP_TIMEOUT
 
 from sglang_l3.testing.chat_stream import read_stream
-from sglang_l3.testing.scripted_decode import ENV, answer_step, read_records, tool_step, write_script
+from sglang_l3.testing.script_writer import ENV, answer_step, read_records, tool_step, write_script
 from sglang_l3.testing.server import Server, ServerConfig, warm_hicache_hash_extension
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

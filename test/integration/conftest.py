@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_l3.patches import framework
-from sglang_l3.testing.sim import seeds, simulated_device
+from sglang_l3.sim.harness import seeds, simulated_device
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def without(request):
 
 
 # Every test of these files moves data through HiCache: it runs on the simulated
-# asynchronous device (sglang_l3.testing.sim), under the first seed; the tests (or
+# asynchronous device (sglang_l3.sim.harness), under the first seed; the tests (or
 # parameter sets) marked `all_seeds` run under every seed. Started with
 # SGLANG_L3_SIM_STREAMS=N, every test of them runs under seed N only.
 SEEDS = seeds()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang_l3.patches.streamed_restore import lane_of
+from sglang_l3.patches.hicache.streamed_restore import lane_of
 from sglang_l3.testing.stack import L3Stack
 
 

@@ -39,11 +39,11 @@ import os
 
 import pytest
 from sglang_l3 import metrics
-from sglang_l3.cpu import sim_streams
-from sglang_l3.patches import streamed_restore as sr
-from sglang_l3.patches.streamed_restore import lane_of
+from sglang_l3.sim import streams as sim_streams
+from sglang_l3.patches.hicache import streamed_restore as sr
+from sglang_l3.patches.hicache.streamed_restore import lane_of
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
-from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack, _pump
+from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack, pump
 
 PAGE = 64
 KV_SIZE = 4096
@@ -140,7 +140,7 @@ def _restore_after_damage(tmp_path, core: str, case: tuple, pool: str, page: int
         if mode == "truncate_mid":
             lane = lane_of(st.cache.buffer_pipeline)
             handle = req.cache_request_handle
-            _pump(st.cache, lambda: handle in lane.streams, "the stream to start")
+            pump(st.cache, lambda: handle in lane.streams, "the stream to start")
             s = lane.streams[handle]
             assert s.next_page <= page < len(s.keys), "the damaged page's piece must not be read yet"
             _damage(path, "truncate")

@@ -95,7 +95,7 @@ def test_a_forward_in_flight_lands_before_the_load_back(tmp_path, fenced: bool) 
     the load-back by upstream's fence (`load_fence_stream`, wired as the scheduler wires
     it); without the fence (control) the forward-time read of the restored rows catches
     the corruption before the ack."""
-    from sglang_l3.cpu import sim_streams
+    from sglang_l3.sim import streams as sim_streams
     from sglang_l3.testing.stack import RestoreFailed
 
     assert sim_streams.installed()

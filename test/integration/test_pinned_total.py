@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_l3.patches import framework, startup_checks
+from sglang_l3.patches import framework
+
+from sglang_l3.patches.cli import startup_checks
 from sglang_l3.testing.stack import HybridSpec, L3Stack
 
 RESERVE = 10 * 1024**3

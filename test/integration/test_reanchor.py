@@ -17,7 +17,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector, 
 from sglang_l3 import metrics
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import HybridSpec, L3Stack
-from sglang_l3.patches.reanchor import ReanchorViolation, record_of
+from sglang_l3.patches.hicache.reanchor import ReanchorViolation, record_of
 
 # Under every simulated-device seed (test/integration/conftest.py); the second seed
 # only at page size 4 (suite time).
@@ -113,7 +113,7 @@ def test_verify_right_after_the_batch_is_chosen_waits_for_the_load(tmp_path, mon
     chose the batch, before the load-back's ack: on an asynchronous device the H2D copies
     are still queued then. The check waits for them (a device-agnostic sync) instead of
     reporting bytes that have not landed as a corrupted restore."""
-    from sglang_l3.patches import tp_agreement
+    from sglang_l3.patches.tp import agreement as tp_agreement
 
     monkeypatch.setenv("SGLANG_L3_VERIFY", "1")
     with L3Stack(HybridSpec(page_size=4), str(tmp_path)) as st:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from array import array
 
 import pytest
-from sglang_l3.patches.session_device_tokens import device_tokens
+from sglang_l3.patches.sessions.session_device_tokens import device_tokens
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
 

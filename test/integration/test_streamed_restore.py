@@ -20,7 +20,7 @@ import time
 
 import pytest
 from sglang_l3 import metrics
-from sglang_l3.patches.streamed_restore import lane_of
+from sglang_l3.patches.hicache.streamed_restore import lane_of
 from streamed_support import back_to_baseline
 
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
@@ -322,7 +322,7 @@ def test_decisions_do_not_depend_on_store_timing(tmp_path, monkeypatch) -> None:
     identical, and so is the result. (Which tick a piece lands in may differ
     between runs; within a run every rank lands it in the same tick, the
     completion flags being MIN-reduced.)"""
-    import sglang_l3.patches.streamed_restore as sr
+    import sglang_l3.patches.hicache.streamed_restore as sr
 
     spec = make_spec(64, 8 * (BUFFER + 64))
     seq = context(spec, 8)

@@ -1,6 +1,6 @@
 """The streamed restore's piece copies on an asynchronous device (issue 22).
 
-On the simulated device (`sglang_l3.testing.sim`, every seed of the conftest) copies
+On the simulated device (`sglang_l3.sim.harness`, every seed of the conftest) copies
 queued on a side stream run only when something waits for them, and a forward pass in
 flight writes when the forward stream is drained. The piece copies host -> private
 rows R are queued on upstream's load stream behind the forward stream:
@@ -20,9 +20,9 @@ import pytest
 from streamed_support import back_to_baseline
 from test_streamed_restore import context, make_spec, pump, reader, write
 
-import sglang_l3.patches.streamed_restore as sr
-from sglang_l3.cpu import sim_streams
-from sglang_l3.patches.streamed_restore import lane_of
+import sglang_l3.patches.hicache.streamed_restore as sr
+from sglang_l3.sim import streams as sim_streams
+from sglang_l3.patches.hicache.streamed_restore import lane_of
 
 pytestmark = pytest.mark.all_seeds()
 

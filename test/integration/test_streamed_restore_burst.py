@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 from sglang_l3 import metrics
 from sglang_l3.patches import framework
-from sglang_l3.patches import streamed_restore as sr
-from sglang_l3.patches.streamed_restore import lane_of
+from sglang_l3.patches.hicache import streamed_restore as sr
+from sglang_l3.patches.hicache.streamed_restore import lane_of
 
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack, wait_for_work
 
@@ -166,7 +166,7 @@ def test_without_the_fix_the_burst_hangs(tmp_path, monkeypatch, shared: bool) ->
     """Negative control: with stream-share undone (one prefix) or its yield disabled
     (two prefixes), and hits cut instead of waiting, X1 waits at the head of the queue
     for rows X2's staged stream holds."""
-    import sglang_l3.patches.stream_share as ss
+    import sglang_l3.patches.hicache.stream_share as ss
 
     _cut_instead_of_waiting(monkeypatch)
     if shared:
@@ -194,7 +194,7 @@ class _HangClock:
         self.now = 0.0
 
     def tick(self, h, idle: bool) -> float:
-        from sglang_l3.patches import l3_wait_watchdog as wd
+        from sglang_l3.patches.hicache import l3_wait_watchdog as wd
 
         cache = h.stack.cache
         states = [wd.waiting_on_l3(cache, r) for r in h.s.waiting_queue]
@@ -211,7 +211,7 @@ def test_watchdog_ends_the_hang(tmp_path, monkeypatch) -> None:
     Under some seeds X1 is staged too when the hang starts (its hold not yet dropped):
     then it waits on L3 as long as X2 and is abandoned in the same pass. Either way
     each request is abandoned, and counted, at most once."""
-    from sglang_l3.patches import l3_wait_watchdog as wd
+    from sglang_l3.patches.hicache import l3_wait_watchdog as wd
 
     monkeypatch.setenv(wd.MARGIN_ENV, "0.5")
     _cut_instead_of_waiting(monkeypatch)
@@ -243,8 +243,8 @@ def test_watchdog_abandons_once_while_the_stream_aborts(tmp_path, monkeypatch) -
     `aborting` and X1 stays queued (its rows are not back) over many idle passes, each
     past budget + margin: X1 is abandoned, and counted, once. Released, the stream ends,
     X1 recomputes right and every pool is back to its baseline (checked by `_burst`)."""
-    from sglang_l3.cpu import sim_streams
-    from sglang_l3.patches import l3_wait_watchdog as wd
+    from sglang_l3.sim import streams as sim_streams
+    from sglang_l3.patches.hicache import l3_wait_watchdog as wd
 
     monkeypatch.setenv(wd.MARGIN_ENV, "0.5")
     abandoned: list = []
@@ -292,7 +292,7 @@ def test_watchdog_detect_mode_logs_and_changes_nothing(tmp_path, monkeypatch, ca
     the hang as well - some seeds - is reported alike, in the same pass, once.)"""
     import logging
 
-    from sglang_l3.patches import l3_wait_watchdog as wd
+    from sglang_l3.patches.hicache import l3_wait_watchdog as wd
 
     monkeypatch.setenv(wd.MARGIN_ENV, "0.5")
     monkeypatch.delenv("SGLANG_L3_VERIFY", raising=False)

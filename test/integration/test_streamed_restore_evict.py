@@ -23,7 +23,7 @@ import time
 
 import pytest
 from sglang_l3 import metrics
-from sglang_l3.patches.streamed_restore import lane_of
+from sglang_l3.patches.hicache.streamed_restore import lane_of
 from streamed_support import back_to_baseline
 
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
@@ -128,7 +128,7 @@ def test_stop_policy_applies_to_the_stream(tmp_path, monkeypatch, core: str, pol
     best_effort stops the stream at the first admission poll; timeout at the first
     poll past upstream's budget (here 0 s); wait_complete waits. A stopped stream
     frees R once, stages nothing, and the request recomputes (pools at baseline)."""
-    import sglang_l3.patches.streamed_restore as sr
+    import sglang_l3.patches.hicache.streamed_restore as sr
 
     seq = list(range(11, 11 + CONTEXT))
     with stack(tmp_path, core) as w:

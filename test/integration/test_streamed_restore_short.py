@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import pytest
 from sglang_l3 import metrics
-from sglang_l3.patches import streamed_restore as sr
-from sglang_l3.patches.streamed_restore import lane_of
+from sglang_l3.patches.hicache import streamed_restore as sr
+from sglang_l3.patches.hicache.streamed_restore import lane_of
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
 
 CONTEXT = 3072  # turn 1 + turn 2, ~2.8x the reader's host buffer (1088 tokens)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import pytest
 from sglang_l3 import metrics
-from sglang_l3.patches import streamed_restore as sr
-from sglang_l3.patches import write_guard
-from sglang_l3.patches.streamed_restore import lane_of
+from sglang_l3.patches.hicache import streamed_restore as sr
+from sglang_l3.patches.hicache import write_guard
+from sglang_l3.patches.hicache.streamed_restore import lane_of
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
 
 PAGE = 64

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import pytest
 from sglang_l3 import metrics
-from sglang_l3.patches import streamed_write as sw
-from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack, _pump
+from sglang_l3.patches.hicache import streamed_write as sw
+from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack, pump
 
 PAGE = 64
 KV_SIZE = 4096
@@ -46,7 +46,7 @@ def _write_parent_then_child(tmp_path, core: str) -> tuple[list[int], list[int],
         # Until P's first window is stored: more windows of P are still queued.
         beliefs = w.cache.storage_existence_cache.pool("kv")
         keys = w.cache.tree_core.snapshot_buffer_backup(w.match(parent).last_device_node, False).hash_values
-        _pump(w.cache, lambda: beliefs.contains(keys[0]), "P's first window stored")
+        pump(w.cache, lambda: beliefs.contains(keys[0]), "P's first window stored")
         assert any(i.snapshot.hash_values == keys for i in pipe.pending_write_queue), "P still has windows queued"
         assert metrics.get("l3_stream_write_windows") >= acks
         want = w.write(seq, marker=4.0, flush=False)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 from sglang_l3 import metrics
-from sglang_l3.patches import write_guard
+from sglang_l3.patches.hicache import write_guard
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
 
 PAGE = 64

@@ -85,14 +85,14 @@ def test_walk_set_never_outlives_its_insert(tmp_path, core: str) -> None:
     """The walk set captured at end_insert_walk is consumed by the same insert on
     every path, including the early returns (state already there, no state given),
     so no later insert can read a stale one."""
-    from sglang_l3.patches.branch_backup import _LAST_WALK_ATTR
+    from sglang_l3.patches.hicache.branch_backup import LAST_WALK_ATTR
 
     spec = HybridSpec(page_size=4, kv_size=2048)
     with L3Stack(spec, str(tmp_path), tree_core=core) as st:
         pipe = st.cache.buffer_pipeline
         for i, seq in enumerate((A24, A24, B24, T16)):  # i=1: mamba_exist -> early return
             st.write(seq)
-            assert vars(pipe).get(_LAST_WALK_ATTR) is None, f"walk set left behind by insert {i} ({len(seq)} tokens)"
+            assert vars(pipe).get(LAST_WALK_ATTR) is None, f"walk set left behind by insert {i} ({len(seq)} tokens)"
 
 
 # --- the same holes at the cache level, page size 4 ------------------------ #

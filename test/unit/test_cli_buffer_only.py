@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from sglang.srt.server_args import ServerArgs, prepare_server_args
-from sglang_l3.patches import cli_buffer_only, framework
+from sglang_l3.patches import framework
+from sglang_l3.patches.cli import buffer_only as cli_buffer_only
 
 BASE = ["--model-path", "dummy", "--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
 

@@ -21,7 +21,8 @@ import sglang.srt.utils as sgl_utils
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.quantization.gptq import GPTQConfig, GPTQMarlinConfig
 from sglang.srt.layers.quantization.utils import override_config
-from sglang_l3.patches import framework, gptq_rocm
+from sglang_l3.patches import framework
+from sglang_l3.patches.quant import gptq_rocm
 from sglang_l3.quant import dispatch
 from sglang_l3.quant import gptq_ref as R
 from sglang_l3.quant.rocm_gptq import (

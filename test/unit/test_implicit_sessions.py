@@ -1,6 +1,6 @@
 """Issue 31, item 1: implicit sessions (no session_id from the client).
 
-The tokenizer manager's decision (sglang_l3.implicit_sessions) on real L3
+The tokenizer manager's decision (sglang_l3.sessions.implicit) on real L3
 page-key chains (upstream's get_storage_hash_str), and the session registry's
 own rule for implicit sessions (storage.retention): one-turn ones rank with
 closed sessions and are reaped first, so the table stays bounded."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from sglang_l3 import metrics as l3_metrics
-from sglang_l3.implicit_sessions import INPUT_TAIL, MAX_SESSIONS, ImplicitSessions, end_pages, page_keys
+from sglang_l3.sessions.implicit import INPUT_TAIL, MAX_SESSIONS, ImplicitSessions, end_pages, page_keys
 from sglang_l3.storage import retention
 from sglang_l3.storage import sessions as table
 from sglang_l3.storage.retention import CLOSED, MAX_IMPLICIT, OPEN, PLAIN, SessionRetention
@@ -234,7 +234,7 @@ def _tokenized(tm, ids, rid, **obj_fields):
     from array import array
 
     from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
-    from sglang_l3.patches import implicit_sessions as patch
+    from sglang_l3.patches.sessions import implicit_sessions as patch
 
     obj = GenerateReqInput(input_ids=list(ids), rid=rid, **obj_fields)
     tok = TokenizedGenerateReqInput(
@@ -260,7 +260,7 @@ def _answer(tm, obj, out_ids):
     """Run the generate_request hook over an upstream stand-in that answers out_ids."""
     import asyncio
 
-    from sglang_l3.patches import implicit_sessions as patch
+    from sglang_l3.patches.sessions import implicit_sessions as patch
 
     async def original(tm_, obj_, request=None):
         yield {"output_ids": list(out_ids), "meta_info": {"finish_reason": {"type": "length"}}}

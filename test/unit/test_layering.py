@@ -1,8 +1,10 @@
 """The house's layering, read from the source (ast): runtime modules (what a
 serving process imports) never import the harnesses (sglang_l3.testing) or test
-code, nothing below patches/ imports upward (patches, plugin, cli, doctor), and a
+code, nothing below patches/ imports upward (patches, plugin, cli, doctor), a
 patch never reaches into a command-line module (shared logic lives where both can
-import it publicly)."""
+import it publicly), the simulated device and the fault machinery (sglang_l3.sim)
+are loaded only by their two gates, no module imports another's underscore names,
+and patches/ has one subpackage per series group."""
 
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ import sglang_l3
 
 PKG = Path(sglang_l3.__file__).resolve().parent
 HARNESS = ("sglang_l3.testing",)
+# test machinery (simulated device, fault machinery): not runtime; runtime reaches it
+# only through these gates, each of which loads it only when asked
+SIM = ("sglang_l3.sim",)
+SIM_GATES = ("sglang_l3.faults", "sglang_l3.patches.cpu.sim_streams")
 TEST_CODE = ("test", "tests", "conftest", "l3_e2e", "kit_shims", "fake_patch_target", "pytest")
 # Packages below patches/: they provide what patches install and must not reach up.
 BELOW = (
@@ -23,6 +29,7 @@ BELOW = (
     "sglang_l3.metrics",
     "sglang_l3.envs",
     "sglang_l3.device_reads",
+    "sglang_l3.sessions",
 )
 UPPER = ("sglang_l3.patches", "sglang_l3.plugin", "sglang_l3.cli", "sglang_l3.doctor")
 # command-line modules: a runtime patch imports none of them
@@ -62,7 +69,7 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
 
 
 def runtime_modules() -> list[Path]:
-    return [p for p in sorted(PKG.rglob("*.py")) if not _under(_modname(p), HARNESS)]
+    return [p for p in sorted(PKG.rglob("*.py")) if not _under(_modname(p), HARNESS + SIM)]
 
 
 def violations() -> list[str]:
@@ -79,6 +86,51 @@ def violations() -> list[str]:
                 bad.append(f"{where}: patch {mod} imports command-line module {name}")
             if _under(name, EXTRA.get(mod, ())):
                 bad.append(f"{where}: {mod} imports {name}")
+            if _under(name, SIM) and mod not in SIM_GATES:
+                bad.append(f"{where}: runtime module {mod} imports test machinery {name}")
+    return bad
+
+
+REPO = PKG.parent.parent
+SOURCES = ("python", "test", "benchmark")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def underscore_reach_ins(roots: tuple[str, ...] = SOURCES) -> list[str]:
+    """`from sglang_l3.X import _name` in another module, and (in the package)
+    `alias._name` on an imported sglang_l3 module or name: each is a reach-in."""
+    bad: list[str] = []
+    for root in roots:
+        for path in sorted((REPO / root).rglob("*.py")):
+            in_pkg = PKG in path.resolve().parents
+            mod = _modname(path) if in_pkg else str(path.relative_to(REPO))
+            tree = ast.parse(path.read_text(), str(path))
+            aliases: dict[str, str] = {}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    for a in node.names:
+                        if a.name.startswith("sglang_l3") and a.asname:
+                            aliases[a.asname] = a.name
+                elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang_l3"):
+                    for a in node.names:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                        if _private(a.name) and node.module != mod:
+                            where = f"{path.relative_to(REPO)}:{node.lineno}"
+                            bad.append(f"{where}: {mod} imports {a.name} from {node.module}")
+            if not in_pkg:
+                continue  # tests may reach into the module they test (monkeypatch)
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and _private(node.attr)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases
+                ):
+                    where = f"{path.relative_to(REPO)}:{node.lineno}"
+                    bad.append(f"{where}: {mod} reaches into {aliases[node.value.id]}.{node.attr}")
     return bad
 
 
@@ -99,17 +151,50 @@ def test_no_runtime_module_imports_harness_or_reaches_upward() -> None:
     assert violations() == []
 
 
+def test_no_module_imports_another_modules_underscore_names() -> None:
+    assert underscore_reach_ins() == []
+
+
+def test_patches_has_one_subpackage_per_series_group() -> None:
+    """series.toml's `group` and the folder agree, and every patch module is named by
+    the series (no stray module outside a group)."""
+    from sglang_l3.patches.framework import load_series
+
+    series = load_series()
+    wrong = [
+        f"{s.id}: group {s.group!r}, module {s.module}"
+        for s in series
+        if s.module.rpartition(".")[0] != f"sglang_l3.patches.{s.group.replace('-', '_')}"
+    ]
+    assert wrong == []
+    named = {s.module for s in series}
+    here = PKG / "patches"
+    on_disk = {_modname(p) for p in here.rglob("*.py") if p.parent != here and p.name != "__init__.py"}
+    assert on_disk == named, (sorted(on_disk - named), sorted(named - on_disk))
+    assert {p.name for p in here.glob("*.py")} == {"__init__.py", "framework.py", "fingerprint.py"}
+    assert {p.name for p in here.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        s.group.replace("-", "_") for s in series
+    }
+
+
 def test_the_check_sees_a_violation(tmp_path) -> None:
     """The walker catches both shapes of import (negative control of the check)."""
     p = PKG / "quant" / "_layering_probe.py"
     p.write_text("from sglang_l3.patches import framework\nimport sglang_l3.testing.stack\n")
     q = PKG / "patches" / "_layering_probe.py"
-    q.write_text("from sglang_l3.storage.sessions_cli import run\n")
+    q.write_text("from sglang_l3.storage.sessions_cli import run\nfrom sglang_l3.sim import streams\n")
+    r = PKG / "storage" / "_layering_probe.py"
+    r.write_text("from sglang_l3.patches.hicache.streamed_restore import _x\nimport sglang_l3.faults as f\nf._y\n")
     try:
         found = violations()
+        reach = underscore_reach_ins(("python",))
     finally:
         p.unlink()
         q.unlink()
+        r.unlink()
+    assert any("patches/_layering_probe.py:2" in v and "test machinery" in v for v in found)
+    assert any("storage/_layering_probe.py:1" in v and "imports _x" in v for v in reach)
+    assert any("storage/_layering_probe.py:3" in v and "sglang_l3.faults._y" in v for v in reach)
     assert any("_layering_probe.py:1" in v and "below patches/" in v for v in found)
     assert any("_layering_probe.py:2" in v and "harness" in v for v in found)
     assert any("patches/_layering_probe.py:1" in v and "command-line module" in v for v in found)

@@ -28,16 +28,15 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sglang_l3.live_config import l3_attached
 from sglang_l3.patches import framework
-from sglang_l3.patches.mm_page_keys import (
+from sglang_l3.patches.serving.mm_page_keys import (
     REFUSAL,
     check_request,
-    identity_key_in,
-    client_key,
     folded_hash,
     has_l3,
-    namespace_extra_key,
+    identity_key_in,
     supplied,
 )
+from sglang_l3.patches.serving.lora_key_namespace import client_key, namespace_extra_key
 
 
 def _spec(pid: str) -> framework.PatchSpec:
@@ -131,7 +130,7 @@ def test_a_transferred_item_keeps_its_pads() -> None:
 
 def test_fold_is_the_same_in_every_process() -> None:
     meta = {"image_grid_thw": [[1, 4, 2]]}
-    code = f"from sglang_l3.patches.mm_page_keys import folded_hash;print(folded_hash(2**63 + 5, 'IMAGE', {meta!r}))"
+    code = f"from sglang_l3.patches.serving.mm_page_keys import folded_hash;print(folded_hash(2**63 + 5, 'IMAGE', {meta!r}))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         check=True,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import inspect
 
-from sglang_l3.patches import reanchor
+from sglang_l3.patches.hicache import reanchor
 
 
 def unlocked_accesses(source: str) -> list[int]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from sglang_l3 import return_prediction as rp
-from sglang_l3.return_prediction import MIN_GAPS, ReturnPredictor, configured_percentile, percentile
+from sglang_l3.sessions import return_prediction as rp
+from sglang_l3.sessions.return_prediction import MIN_GAPS, ReturnPredictor, configured_percentile, percentile
 
 
 class _Clock:
@@ -102,7 +102,7 @@ class _TM:
 
 
 def test_a_due_session_is_staged_as_a_hint_of_its_last_context(monkeypatch):
-    from sglang_l3.session_hints import BOOK, Prediction, hint_session
+    from sglang_l3.sessions.hints import BOOK, Prediction, hint_session
 
     clock = _Clock()
     monkeypatch.setenv("SGLANG_L3_PREDICTED_RETURN", "50")
@@ -130,7 +130,7 @@ def test_a_due_session_is_staged_as_a_hint_of_its_last_context(monkeypatch):
 
 
 def test_off_means_no_predictor(monkeypatch):
-    from sglang_l3.session_hints import Prediction
+    from sglang_l3.sessions.hints import Prediction
 
     monkeypatch.setenv("SGLANG_L3_PREDICTED_RETURN", "off")
     pred = Prediction()

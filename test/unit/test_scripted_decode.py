@@ -1,4 +1,4 @@
-"""Patch scripted-decode's script (sglang_l3.cpu_serving.scripted_decode): the
+"""Patch scripted-decode's script (sglang_l3.cpu_serving.decode_script): the
 step a prompt rendered by the real Qwen3.5 template selects, and the text of a step
 read back by upstream's own Qwen3.5 parsers (qwen3_coder tool calls, qwen3
 reasoning) as a tool call and reasoning, not as content. Bad scripts are errors."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_l3.cpu_serving.scripted_decode import ScriptError, load, parse, tool_results_since_query
-from sglang_l3.testing.scripted_decode import answer_step, read_records, tool_step, write_script
+from sglang_l3.cpu_serving.decode_script import ScriptError, load, parse, tool_results_since_query
+from sglang_l3.testing.script_writer import answer_step, read_records, tool_step, write_script
 from sglang_l3.testing.server import MODELS_DIR
 
 TOOLS = [

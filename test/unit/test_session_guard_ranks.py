@@ -11,12 +11,12 @@ import torch.multiprocessing as mp
 
 
 def _rank(rank: int, init: str, out) -> None:
-    from sglang_l3.patches.session_guard import _any_rank
+    from sglang_l3.patches.sessions.session_guard import any_rank
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         sched = types.SimpleNamespace(tp_size=2, tp_cpu_group=dist.group.WORLD)
-        out.put((rank, _any_rank(sched, rank == 1), _any_rank(sched, False)))
+        out.put((rank, any_rank(sched, rank == 1), any_rank(sched, False)))
     finally:
         dist.destroy_process_group()
 
@@ -36,7 +36,7 @@ def test_one_rank_declining_declines_on_every_rank(tmp_path):
 
 
 def test_single_rank_needs_no_collective():
-    from sglang_l3.patches.session_guard import _any_rank
+    from sglang_l3.patches.sessions.session_guard import any_rank
 
-    assert _any_rank(types.SimpleNamespace(tp_size=1), True) is True
-    assert _any_rank(types.SimpleNamespace(), False) is False
+    assert any_rank(types.SimpleNamespace(tp_size=1), True) is True
+    assert any_rank(types.SimpleNamespace(), False) is False

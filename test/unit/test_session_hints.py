@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 from sglang_l3.patches import framework
-from sglang_l3.session_hints import (
+from sglang_l3.sessions.hints import (
     DEFERRED_DEVICE_FULL,
     HINT_RID_PREFIX,
     HintBook,
@@ -181,8 +181,8 @@ def test_routes_answer_clearly(monkeypatch, tmp_path):
 
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
-    from sglang_l3.patches import session_hints as patch
-    from sglang_l3.session_hints import BOOK
+    from sglang_l3.patches.sessions import session_hints as patch
+    from sglang_l3.sessions.hints import BOOK
 
     class _TM(_Scheduler):
         def __init__(self):
@@ -220,7 +220,7 @@ def test_routes_answer_clearly(monkeypatch, tmp_path):
     assert c.post("/sglang_l3/prefetch", json={"input_ids": [1, 2, 3]}).status_code == 503
     # drop through the server: unknown -> 404, known -> upstream's close message
     # carrying DROP_MARK (what every scheduler rank's registry turns into a drop)
-    from sglang_l3.patches.sessions import DROP_MARK
+    from sglang_l3.patches.sessions.session_api import DROP_MARK
 
     closes = []
 

@@ -1,4 +1,4 @@
-"""The simulated asynchronous device (`sglang_l3.cpu.sim_streams`): queue order,
+"""The simulated asynchronous device (`sglang_l3.sim.streams`): queue order,
 events as queue positions, waits from the default stream drain, waits from another
 stream queue barriers, seeded polls, DMA-like deferred transfers, and the patch
 `cpu-sim-streams` that installs it only when asked."""
@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from sglang_l3.cpu import sim_streams as sim
+from sglang_l3.sim import streams as sim
 
 
 @pytest.fixture
@@ -183,7 +183,7 @@ def test_uninstall_drains_and_restores_torch_cpu() -> None:
 
 
 def test_patch_applies_only_when_asked(monkeypatch) -> None:
-    from sglang_l3.patches import cpu_sim_streams
+    from sglang_l3.patches.cpu import sim_streams as cpu_sim_streams
 
     monkeypatch.delenv("SGLANG_L3_SIM_STREAMS", raising=False)
     assert "not set" in (cpu_sim_streams.applicable() or "")
@@ -195,7 +195,7 @@ def test_patch_applies_only_when_asked(monkeypatch) -> None:
 def test_seeds_follow_the_variable(monkeypatch) -> None:
     """Started with SGLANG_L3_SIM_STREAMS=N the integration tests run under seed N only;
     a malformed or threaded value is an error, not a silent default."""
-    from sglang_l3.testing.sim import SEEDS, seeds
+    from sglang_l3.sim.harness import SEEDS, seeds
 
     monkeypatch.delenv("SGLANG_L3_SIM_STREAMS", raising=False)
     assert seeds() == SEEDS
@@ -213,7 +213,7 @@ def test_simulated_device_starts_fresh_over_one_applied_at_startup(monkeypatch) 
     """A process started with the variable set has the patch applied: a block gets a
     fresh device of its own seed, and none is left installed after it."""
     from sglang_l3.patches import framework
-    from sglang_l3.testing.sim import PATCH_ID, simulated_device
+    from sglang_l3.sim.harness import PATCH_ID, simulated_device
 
     monkeypatch.setenv("SGLANG_L3_SIM_STREAMS", "3")
     framework.apply_one(next(s for s in framework.load_series() if s.id == PATCH_ID))
@@ -255,7 +255,7 @@ def test_held_acks_lag_until_released_a_sync_still_runs(dev) -> None:
 
 def test_simulated_device_queues_host_pool_transfers() -> None:
     """Through the patch: a host-pool load on a side stream is queued, runs at sync."""
-    from sglang_l3.testing.sim import simulated_device
+    from sglang_l3.sim.harness import simulated_device
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     plain = MHATokenToKVPoolHost.load_to_device_per_layer

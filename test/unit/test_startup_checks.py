@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 from sglang.srt.server_args import prepare_server_args
-from sglang_l3.patches import framework, startup_checks
+from sglang_l3.patches import framework
+from sglang_l3.patches.cli import startup_checks
 from sglang_l3.testing.server import TINY_MODEL_DIR
 
 GiB = 1024**3

@@ -1,12 +1,12 @@
-"""sglang_l3.tool_pins: when a turn that ended in a tool call is pinned, for how
+"""sglang_l3.sessions.pin_book: when a turn that ended in a tool call is pinned, for how
 long, and when the pin ends (the HTTP side's rule; the clock is injected)."""
 
 from __future__ import annotations
 
 import pytest
-from sglang_l3 import tool_pins
-from sglang_l3.return_prediction import MIN_GAPS
-from sglang_l3.tool_pins import MAX_PINS, PinBook
+from sglang_l3.sessions import pin_book
+from sglang_l3.sessions.return_prediction import MIN_GAPS
+from sglang_l3.sessions.pin_book import MAX_PINS, PinBook
 
 
 class Clock:
@@ -79,15 +79,15 @@ def test_pins_are_bounded_the_oldest_dropped():
 def test_a_bad_setting_is_a_clear_error(monkeypatch, value):
     monkeypatch.setenv("SGLANG_L3_TOOL_PIN", value)
     with pytest.raises(ValueError, match="SGLANG_L3_TOOL_PIN"):
-        tool_pins.configured()
+        pin_book.configured()
 
 
 def test_settings(monkeypatch):
     monkeypatch.delenv("SGLANG_L3_TOOL_PIN", raising=False)
-    assert tool_pins.configured() is None
+    assert pin_book.configured() is None
     monkeypatch.setenv("SGLANG_L3_TOOL_PIN", "80")
     monkeypatch.setenv("SGLANG_L3_TOOL_PIN_MAX_S", "60")
-    assert tool_pins.configured() == (80.0, 60.0)
+    assert pin_book.configured() == (80.0, 60.0)
     monkeypatch.setenv("SGLANG_L3_TOOL_PIN_MAX_S", "0")
     with pytest.raises(ValueError, match="SGLANG_L3_TOOL_PIN_MAX_S"):
-        tool_pins.configured()
+        pin_book.configured()

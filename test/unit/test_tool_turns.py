@@ -1,10 +1,10 @@
-"""sglang_l3.tool_turns: an answer that ended in a tool call is paired with its
+"""sglang_l3.sessions.turn_pairs: an answer that ended in a tool call is paired with its
 turn's session whichever is known first, and read from the streamed chunk that
 ends the answer."""
 
 from __future__ import annotations
 
-from sglang_l3.tool_turns import MAX_RECENT, TurnPairs, tool_call_rid
+from sglang_l3.sessions.turn_pairs import MAX_RECENT, TurnPairs, tool_call_rid
 
 
 def test_a_turn_that_finished_first_is_named_by_its_tool_call():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from sglang_l3 import top
-from sglang_l3.session_activity import ActivityBook
+from sglang_l3.sessions.activity import ActivityBook
 
 METRICS = """# HELP sglang_l3_l3_restores_total sglang-l3 l3 restores
 sglang_l3_l3_restores_total{reason=""} 3.0
@@ -111,7 +111,7 @@ def test_device_tokens_and_implicit_sessions() -> None:
 def test_device_tokens_of_internal_states() -> None:
     """Upstream's /get_internal_state answers one state per DP rank: merged; none
     carrying the key (the patch is off, no store) is unknown, not zero."""
-    from sglang_l3.session_activity import DEVICE_TOKENS_KEY, device_tokens_of
+    from sglang_l3.sessions.activity import DEVICE_TOKENS_KEY, device_tokens_of
 
     assert device_tokens_of([{"x": 1}]) is None and device_tokens_of(None) is None
     assert device_tokens_of([{DEVICE_TOKENS_KEY: {}}]) == {}

@@ -36,7 +36,7 @@ def _worker(rank: int, init: str, scenario: str, q: mp.Queue) -> None:
 
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
         group = dist.new_group([0, 1], backend="gloo")
-        from sglang_l3.patches import tp_agreement as ta
+        from sglang_l3.patches.tp import agreement as ta
 
         out: dict = {
             "min": ta.agree(group, rank == 0),

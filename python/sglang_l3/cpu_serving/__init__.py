@@ -10,7 +10,7 @@ no accelerator.
 - server.py   start/stop/query a real `sglang.launch_server` (demo, e2e tests)
 
 They are installed into SGLang by the `cpu-serving` patch group
-(sglang_l3/patches/cpu_serving.py, patches/series.toml), which is "not
+(sglang_l3/patches/cpu_serving/kernels.py, patches/series.toml), which is "not
 applicable" whenever an accelerator is present. Importing this package does
 not import sglang.
 """

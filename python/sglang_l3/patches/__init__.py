@@ -1,4 +1,5 @@
-"""One module per upstream change; `series.toml` (repo `patches/`) is the index.
+"""One subpackage per series group (`group` in `series.toml`, repo `patches/`: the index),
+one module per upstream change or family of them.
 
 A patch module defines `apply(ctx: PatchContext)` and, optionally,
 `applicable() -> str | None` (a reason when the patch does not apply here).

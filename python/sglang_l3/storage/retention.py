@@ -13,7 +13,7 @@ classes:
 
 Within a session the deepest page goes first, so what stays is still a
 restorable prefix. An implicit session (named by the server for requests
-without a session_id, sglang_l3.implicit_sessions) ranks as closed until its
+without a session_id, sglang_l3.sessions.implicit) ranks as closed until its
 second turn or its first turn that ended in a tool call (a one-off prompt is
 not protected like a conversation; a tool call is one going on: patch
 tool-call-turns), then as an open session of priority 0. Implicit sessions

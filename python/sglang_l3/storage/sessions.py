@@ -32,7 +32,7 @@ SUFFIX = ".sessions"
 MAX_TABLE_BYTES = 256 * 2**20  # refuse to parse anything larger (not ours / damaged)
 MAX_ID_LEN = 256
 # Ids the server mints for implicit sessions (requests without a session_id,
-# sglang_l3.implicit_sessions); an explicit id of this form counts as implicit.
+# sglang_l3.sessions.implicit); an explicit id of this form counts as implicit.
 IMPLICIT_PREFIX = "implicit-"
 
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sglang_l3.testing.scripted_decode import ENV, answer_step, read_records, tool_step, write_script
+from sglang_l3.testing.script_writer import ENV, answer_step, read_records, tool_step, write_script
 from sglang_l3.testing.server import Server, ServerConfig
 
 MODEL = "tiny-qwen35-text"

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from sglang_l3.testing.stack import L3Stack, RestoreFailed, _on_stream, _pump, wait_for_work
+from sglang_l3.testing.stack import L3Stack, RestoreFailed, on_stream, pump, wait_for_work
 
 
 class _NoGrammar:
@@ -132,7 +132,7 @@ class SchedulerHarness:
         self.s._add_request_to_queue(req)
 
     def pump(self, cond: Any = None, what: str = "hicache events", timeout: float = 120.0) -> None:
-        _pump(self.stack.cache, cond or (lambda: True), what, timeout)
+        pump(self.stack.cache, cond or (lambda: True), what, timeout)
 
     def wait_prefetch(self, req: Any, timeout: float = 120.0, *, reissue: bool = False) -> None:
         """Poll the request's prefetch until it is done. With `reissue`, each step is the
@@ -186,7 +186,7 @@ class SchedulerHarness:
         st = self.stack
         cache = st.cache
         if batch is None:
-            _pump(cache, lambda: not cache.buffer_pipeline.ongoing_buffer_load_back, "load-back ack")
+            pump(cache, lambda: not cache.buffer_pipeline.ongoing_buffer_load_back, "load-back ack")
             return
         rtt = st.req_to_token_pool.req_to_token
         rows = torch.cat([rtt[r.kv.req_pool_idx, : r.prefix_len].long() for r in batch.reqs])
@@ -207,10 +207,10 @@ class SchedulerHarness:
                     st.fill_kv(new_rows, list(req.full_untruncated_fill_ids[start:end]), start)
 
         with st.device_module.stream(st.forward_stream):
-            _on_stream(compute, "forward")
+            on_stream(compute, "forward")
         st.finish_forward()
         st.check_forward_read(read)
-        _pump(cache, lambda: not cache.buffer_pipeline.ongoing_buffer_load_back, "load-back ack")
+        pump(cache, lambda: not cache.buffer_pipeline.ongoing_buffer_load_back, "load-back ack")
         st.check_forward_mamba(read)
         chunked = self.s.chunked_req
         if chunked is not None and chunked.inflight_middle_chunks > 0:

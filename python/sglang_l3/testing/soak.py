@@ -20,7 +20,7 @@ import torch
 from sglang_l3 import metrics
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import HybridSpec, L3Stack
-from sglang_l3.patches.reanchor import ReanchorViolation, record_of
+from sglang_l3.patches.hicache.reanchor import ReanchorViolation, record_of
 
 
 @dataclass

@@ -89,9 +89,9 @@ class ForwardRead:
     mamba: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)
 
 
-def _on_stream(fn: Callable[[], None], what: str = "forward-read") -> None:
+def on_stream(fn: Callable[[], None], what: str = "forward-read") -> None:
     """Queue `fn` on the current stream of the simulated device; run it now otherwise."""
-    from sglang_l3.cpu import sim_streams
+    from sglang_l3.sim import streams as sim_streams
 
     if sim_streams.installed():
         sim_streams.enqueue(fn, what)
@@ -100,13 +100,13 @@ def _on_stream(fn: Callable[[], None], what: str = "forward-read") -> None:
 
 
 def _sim_active() -> bool:
-    from sglang_l3.cpu import sim_streams
+    from sglang_l3.sim import streams as sim_streams
 
     return sim_streams.installed()
 
 
 def sim_chance() -> bool:
-    from sglang_l3.cpu import sim_streams
+    from sglang_l3.sim import streams as sim_streams
 
     return sim_streams.chance()
 
@@ -134,7 +134,7 @@ def wait_for_work(cache: Any) -> None:
     read completes (an event, via its future), else PUMP_PERIOD_S. A scheduler
     loop ticks once per batch; this stand-in neither spins a core away from the
     store's reader thread nor sleeps past a landed piece."""
-    from sglang_l3.patches.streamed_restore import read_futures
+    from sglang_l3.patches.hicache.streamed_restore import read_futures
 
     pipe = getattr(cache, "buffer_pipeline", None)
     pieces = read_futures(pipe) if pipe is not None else []
@@ -144,7 +144,7 @@ def wait_for_work(cache: Any) -> None:
         time.sleep(PUMP_PERIOD_S)
 
 
-def _pump(cache: Any, cond: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+def pump(cache: Any, cond: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         cache.check_hicache_events()
@@ -241,7 +241,7 @@ class L3Stack:
         cc = self.cache.cache_controller
         # The forward stream, wired as Scheduler.__init__ wires the model runner's: upstream
         # fences every load-back (start_loading) and backup (start_writing) behind it. On the
-        # simulated device (sglang_l3.testing.sim) work queued here runs only when waited on,
+        # simulated device (sglang_l3.sim.harness) work queued here runs only when waited on,
         # like a forward pass still running beside the scheduler under overlap scheduling.
         from sglang.srt.utils import get_device_module
 
@@ -496,11 +496,11 @@ class L3Stack:
                         k, v = kv.get_key_buffer(layer), kv.get_value_buffer(layer)  # waits for the layer
                         local = kv.full_attention_layer_id_mapping[layer]  # fill_kv's layer id
                         if check:
-                            _on_stream(lambda k=k, v=v, L=local: read_kv(k, v, L))
+                            on_stream(lambda k=k, v=v, L=local: read_kv(k, v, L))
                     elif len(slots):
                         i = rtp.mamba2_layer_index(layer)  # waits for the layer
                         if check:
-                            _on_stream(lambda i=i, L=layer: read_mamba(i, L))
+                            on_stream(lambda i=i, L=layer: read_mamba(i, L))
             finally:
                 counter.set_consumer(-1)  # the next batch loads nothing
         return out
@@ -552,14 +552,14 @@ class L3Stack:
                 vb[r] = value
 
         with self.device_module.stream(self.forward_stream):
-            _on_stream(write, "forward-write")
+            on_stream(write, "forward-write")
         self.allocator.free(rows)
         return r
 
     def flush_backups(self) -> None:
         bp = self.cache.buffer_pipeline
         bp.flush_pending_writes()
-        _pump(
+        pump(
             self.cache,
             lambda: not bp.inflight_backup_node_ids and not bp.ongoing_backup and not bp.pending_write_queue,
             "L3 write-through to drain",
@@ -570,7 +570,7 @@ class L3Stack:
         still in flight stays protected (its device rows are being read), and on a
         device whose acks lag (the simulated one, a GPU) that lasts some ticks."""
         cc = self.cache.cache_controller
-        _pump(self.cache, lambda: not cc.ack_write_queue, "device-to-host writes to be acked")
+        pump(self.cache, lambda: not cc.ack_write_queue, "device-to-host writes to be acked")
 
     def settle(self, timeout: float = 30.0, quiet_s: float = 1.0) -> None:
         """Drain write-through and the controller's host-release queues: backups
@@ -599,7 +599,7 @@ class L3Stack:
         bp = self.cache.buffer_pipeline
         if stage_queued_writes and bp is not None and bp.pending_write_queue:
             bp.flush_pending_writes()
-            _pump(
+            pump(
                 self.cache,
                 lambda: not bp.pending_write_queue and not bp.ongoing_write_through,
                 "queued L3 writes to stage before the eviction",
@@ -627,7 +627,7 @@ class L3Stack:
         """prefetch_from_storage → staged hold; returns (handle, loaded tokens)."""
         h = self.start_prefetch(seq, rid)
         bp = self.cache.buffer_pipeline
-        _pump(
+        pump(
             self.cache,
             lambda: self.cache.check_prefetch_progress(h) and (bp.has_staged(h) or h not in bp.staged_prefetches),
             "prefetch to complete",
@@ -697,7 +697,7 @@ class L3Stack:
         self.finish_forward()
         if check_forward:
             self.check_forward_read(read)
-        _pump(self.cache, lambda: not self.cache.buffer_pipeline.ongoing_buffer_load_back, "load-back ack")
+        pump(self.cache, lambda: not self.cache.buffer_pipeline.ongoing_buffer_load_back, "load-back ack")
         if check_forward:
             self.check_forward_mamba(read)
         return req, n

@@ -1,0 +1,1 @@
+"""Group `tiny-model`: dummy weights for the packaged tiny models (tests, demo)."""
