@@ -68,10 +68,11 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	$(PY) -c "from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module as b; b()"
 	touch $(STAMP)
 
-# ruff settings: [tool.ruff] in pyproject.toml
+# ruff settings: [tool.ruff] in pyproject.toml; mypy's (the runtime package): [tool.mypy]
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: install
 	SGLANG_L3_REQUIRE_MOONCAKE=$(MOONCAKE) $(PY) test/run_suite.py --suite $(SUITE)

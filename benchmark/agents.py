@@ -438,7 +438,7 @@ def chat_run(
     rows = read_records(record)
     if len(rows) != len(order):
         raise RuntimeError(f"{label}: {len(rows)} scripted answers recorded for {len(order)} calls")
-    for t, row in zip(turn_of, rows):
+    for t, row in zip(turn_of, rows, strict=True):
         if t >= 1:
             c = row["cached"]
             run.rids.append(row["rid"])
@@ -523,7 +523,9 @@ def return_run(args: argparse.Namespace, work: Path) -> bool:
     with Server(ref_cfg, work / "recompute.log", startup_timeout=900) as r:
         ref = many_agents.run(r, wl, flush_each=True)
     back = [t for t in l3 if t.round >= 1]
-    same = sum(a.gen.output_ids == b.gen.output_ids and a.gen.logprobs == b.gen.logprobs for a, b in zip(l3, ref))
+    same = sum(
+        a.gen.output_ids == b.gen.output_ids and a.gen.logprobs == b.gen.logprobs for a, b in zip(l3, ref, strict=True)
+    )
     from_l3 = sum(t.gen.cached_storage for t in back)
     on_device = sum(t.gen.cached_device for t in back)
     t_l3, t_ref = many_agents.median_ttft(l3), many_agents.median_ttft(ref)

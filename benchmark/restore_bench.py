@@ -83,6 +83,7 @@ Example: nice -n 10 python benchmark/restore_bench.py --contexts 8192,32768,1310
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import math
@@ -384,10 +385,8 @@ def free_memory() -> None:
     arenas, so without the trim a row's RSS stayed until the next one allocated
     and two rows' pools coexisted at the peak (a 256K row was OOM-killed so)."""
     gc.collect()
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc
 
 
 def mem_budget_gib(fixed: float | None) -> float:
@@ -464,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     # the copies ~5x slower in CPU time when the store's threads ran alongside).
     torch.set_num_threads(1)
 
-    budget = "--max-gib %.1f GiB" % args.max_gib if args.max_gib else "MemAvailable - 2 GiB, re-read per row"
+    budget = f"--max-gib {args.max_gib:.1f} GiB" if args.max_gib else "MemAvailable - 2 GiB, re-read per row"
     print(f"# per-rank sizes, TP={TP}, page {PAGE}; memory budget {budget} (upstream host reserve lowered to 1 GiB)")
     for m in models:
         print(f"# {m.name}: KV {m.kv_bytes_per_token()} B/token, GDN state {m.state_bytes()} B")

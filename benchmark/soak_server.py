@@ -44,6 +44,7 @@ burst request is one of the counted requests.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
@@ -335,7 +336,7 @@ def main() -> int:
 
 def compare(g, want, what: str) -> tuple[int, float]:
     """(1 if the answer differs from the no-cache one, largest logprob difference)."""
-    diffs = [abs(x - y) for x, y in zip(g.logprobs, want.logprobs)]
+    diffs = [abs(x - y) for x, y in zip(g.logprobs, want.logprobs, strict=False)]
     dlogp = max(diffs, default=0.0)
     if g.output_ids != want.output_ids or dlogp > 0.0:
         # output positions that differ: 0 is the prefill's token, later ones are decode steps
@@ -465,10 +466,8 @@ def abort_copy(
     t = threading.Thread(target=run, daemon=True)
     t.start()
     time.sleep(rng.uniform(0.0, 1.5))
-    try:
+    with contextlib.suppress(OSError, urllib.error.URLError):
         server.abort(rid)
-    except (OSError, urllib.error.URLError):
-        pass
     t.join(timeout)
     return 1
 

@@ -39,6 +39,7 @@ Examples: python benchmark/storage_bench.py --size 2.5GiB
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import hashlib
@@ -381,10 +382,8 @@ def raw_pass(path: str, total: int, qd: int, write: bool, direct: bool = True) -
     c0 = cpu_seconds()
     t0 = time.perf_counter()
     if write:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | odirect, 0o600)
         os.posix_fallocate(fd, 0, n_blocks * RAW_BLOCK)
     else:

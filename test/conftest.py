@@ -193,7 +193,7 @@ def _no_l3_wait_abandoned(request: pytest.FixtureRequest):
     yield
     if request.node.get_closest_marker("l3_wait_abandoned_expected") is not None:
         return
-    for name, b in zip(names, before):
+    for name, b in zip(names, before, strict=True):
         if metrics.get(name) != b:
             pytest.fail(f"{name} rose by {metrics.get(name) - b}: a request waited on L3 past its budget")
 

@@ -24,7 +24,7 @@ def host_copy(indices: torch.Tensor) -> torch.Tensor:
     """A host copy of `indices` (one device->host read now, none per use later)."""
     t = indices.to("cpu", copy=True)
     key = id(t)
-    _COPIES[key] = weakref.ref(t, lambda _r, k=key: _COPIES.pop(k, None))
+    _COPIES[key] = weakref.ref(t, lambda _r: _COPIES.pop(key, None))
     return t
 
 

@@ -26,7 +26,7 @@ from collections import Counter
 from typing import Optional
 
 _LOCK = threading.Lock()
-_COUNTS: Counter[str] = Counter()
+_COUNTS: dict[str, int | float] = {}  # not a Counter: values are also float (seconds)
 _PROM: dict[str, object] = {}
 _LAST_PUBLISH = [0.0]
 _TIMER: list[Optional[threading.Timer]] = [None]
@@ -47,14 +47,15 @@ def _key(name: str, label: Optional[str]) -> str:
 
 def inc(name: str, label: Optional[str] = None, n: int | float = 1) -> None:
     with _LOCK:
-        _COUNTS[_key(name, label)] += n
+        k = _key(name, label)
+        _COUNTS[k] = _COUNTS.get(k, 0) + n
     _prom_inc(name, label, n)
     _maybe_publish()
 
 
 def get(name: str, label: Optional[str] = None) -> int | float:
     with _LOCK:
-        return _COUNTS[_key(name, label)]
+        return _COUNTS.get(_key(name, label), 0)
 
 
 def snapshot() -> dict[str, int | float]:
@@ -74,13 +75,13 @@ class Counters:
     """One object's counters; every increment also reaches `inc(prefix + name)`."""
 
     def __init__(self, prefix: str = STORE_PREFIX) -> None:
-        self._c: Counter[str] = Counter()
+        self._c: dict[str, int | float] = {}
         self._lock = threading.Lock()
         self._prefix = prefix
 
     def inc(self, name: str, n: int | float = 1) -> None:
         with self._lock:
-            self._c[name] += n
+            self._c[name] = self._c.get(name, 0) + n
         inc(self._prefix + name, None, n)
 
     def get(self, name: str) -> int | float:

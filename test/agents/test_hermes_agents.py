@@ -123,7 +123,7 @@ def test_two_hermes_agents_at_once(tmp_path: Path) -> None:
     short = []
     for n in names:
         mine = [r for r in rows if r["rule"] == f"Task for {n}"]
-        for prev, cur in zip(mine, mine[1:]):
+        for prev, cur in zip(mine, mine[1:], strict=False):
             want = ideal(prev, cur)
             got = cur["cached"]["total"]
             report.append(f"{n} step {cur['step']}: prompt {cur['prompt_tokens']} cached {got} ideal {want}")

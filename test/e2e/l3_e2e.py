@@ -72,7 +72,7 @@ def assert_same_output(got: Generation, want: Generation, device: str, what: str
         assert got.logprobs == want.logprobs, f"{what}: logprobs differ"
     else:
         # upstream's FLA kernel keeps chunk states in bf16 (k.dtype): close, not exact
-        diff = max((abs(x - y) for x, y in zip(got.logprobs, want.logprobs)), default=0.0)
+        diff = max((abs(x - y) for x, y in zip(got.logprobs, want.logprobs, strict=True)), default=0.0)
         assert diff < 0.1, f"{what}: logprobs differ by {diff}"
 
 

@@ -92,10 +92,12 @@ class Burst:
 
     def reference(self) -> dict[int, list[Generation]]:
         if not self.ref:
-            with Server(self.config(None), self.root / "nocache.log", startup_timeout=STARTUP_TIMEOUT) as s:
-                with bounded(TEST_BOUND, f"no-cache TP={self.tp} reference", lambda: [s]):
-                    for n, xs in BURSTS.items():
-                        self.ref[n] = [generate(s, ids, NEW, f"reference X{i + 1}/{n}") for i, ids in enumerate(xs)]
+            with (
+                Server(self.config(None), self.root / "nocache.log", startup_timeout=STARTUP_TIMEOUT) as s,
+                bounded(TEST_BOUND, f"no-cache TP={self.tp} reference", lambda: [s]),
+            ):
+                for n, xs in BURSTS.items():
+                    self.ref[n] = [generate(s, ids, NEW, f"reference X{i + 1}/{n}") for i, ids in enumerate(xs)]
             assert all(len(set(g.output_ids)) > 1 for gs in self.ref.values() for g in gs), "degenerate weights"
         return self.ref
 

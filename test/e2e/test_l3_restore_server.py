@@ -90,7 +90,7 @@ def test_interleaved_agents_reference_on_large_pool(cluster):
     s.flush_cache()
     turns = run_agents(s)
     # the large pool keeps both agents' histories: later turns reuse the device tree
-    for (a, k, g), (_, _, want) in zip(turns, run_agents(cluster.expected)):
+    for (a, k, g), (_, _, want) in zip(turns, run_agents(cluster.expected), strict=True):
         if k > 0:
             assert g.cached_device > 0 and g.cached_storage == 0, (a, k, g.meta)
         assert_same_output(g, want, cluster.device, f"agent {a} turn {k} vs no-cache")
@@ -112,7 +112,7 @@ def test_interleaved_agents_small_pool_restore_every_turn_from_l3(cluster):
     s = cluster.restarted()
     turns = run_agents(s)
     nocache = run_agents(cluster.expected)
-    for (a, k, got), (_, _, want), (_, _, plain) in zip(turns, reference, nocache):
+    for (a, k, got), (_, _, want), (_, _, plain) in zip(turns, reference, nocache, strict=True):
         # the pool cannot hold the other agent's history: nothing of this agent's
         # prefix is left on the device, all of it comes back from L3
         assert got.cached_device == 0, (a, k, got.meta)

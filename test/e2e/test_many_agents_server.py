@@ -61,7 +61,7 @@ def test_sixteen_plain_agents_return_from_l3(tmp_path, cluster, reference):
         assert over >= 10, f"contexts only {over:.1f}x device ({WL.pool()}) + host ({host})"
         got = many_agents.run(s, WL)
         missed = []
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             what = f"round {g.round + 1} agent {g.agent}"
             assert g.ids == w.ids, what
             assert len(w.gen.output_ids) == WL.new, (what, w.gen.meta)  # a real answer to compare

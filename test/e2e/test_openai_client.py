@@ -99,7 +99,7 @@ def test_openai_agent_loop_with_session_restores_from_l3(servers: Qwen35Servers,
     l3.flush_cache()
     got = _agent_loop(l3, session, image, flush_before=FLUSH_BEFORE)
     want = _agent_loop(servers.reference, session, image)
-    for k, (g, w) in enumerate(zip(got, want)):
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
         for field in ("content", "tokens", "logprobs", "prompt_tokens"):
             assert g[field] == w[field], f"turn {k + 1}: {field} differs: {g[field]!r} vs {w[field]!r}"
         assert w["cached_tokens"] == 0  # the reference caches nothing

@@ -153,7 +153,7 @@ def test_tool_calls_and_reasoning_come_back_parsed_and_logprobs_match_a_fresh_se
     root = servers["root"]
     sent, got = _agent(servers["cached"])
     assert len(got) == 3, got
-    for a, step in zip(got[:2], STEPS[:2]):
+    for a, step in zip(got[:2], STEPS[:2], strict=True):
         assert a["finish"] == "tool_calls", a
         assert [c["name"] for c in a["calls"]] == [step["tool"]], a
         assert json.loads(a["calls"][0]["arguments"]) == step["arguments"], a
@@ -171,7 +171,7 @@ def test_tool_calls_and_reasoning_come_back_parsed_and_logprobs_match_a_fresh_se
         _call(servers["fresh"], messages, stream=False)
     fresh = read_records(root / "fresh.jsonl")
     assert len(fresh) == 3
-    for c, f in zip(cached, fresh):
+    for c, f in zip(cached, fresh, strict=True):
         assert c["prompt_sha256"] == f["prompt_sha256"] and c["tokens"] == f["tokens"], (c, f)
         assert c["logprobs"] == f["logprobs"], f"step {c['step']}: {c['logprobs']} vs {f['logprobs']}"
         assert len(c["logprobs"]) == len(c["tokens"]) and all(lp <= 0.0 for lp in c["logprobs"])

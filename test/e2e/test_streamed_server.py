@@ -82,7 +82,7 @@ def test_conversation_4x_host_buffer_restores_from_l3(tmp_path, family, referenc
         host = int(m.group(1))
         assert len(last) >= 4 * host, f"context {len(last)} must be >= 4x the host buffer {host}"
         turns = _conversation(s)
-        for k, ((ids, got), (ref_ids, ref_g)) in enumerate(zip(turns, ref_turns)):
+        for k, ((ids, got), (ref_ids, ref_g)) in enumerate(zip(turns, ref_turns, strict=True)):
             assert ids == ref_ids
             assert_same_output(got, ref_g, "cpu", f"turn {k} (device cache)")
         s.flush_cache()

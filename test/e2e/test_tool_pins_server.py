@@ -137,6 +137,6 @@ def test_a_plain_agents_tool_call_turns_are_pinned_and_answers_match_a_fresh_ser
     pinned, ref = read_records(tmp_path / "pinned.jsonl"), read_records(tmp_path / "fresh.jsonl")
     assert [r["step"] for r in pinned] == list(range(CALLS))
     assert len(ref) == len(pinned)
-    for a, b in zip(pinned, ref):
+    for a, b in zip(pinned, ref, strict=True):
         assert a["prompt_sha256"] == b["prompt_sha256"] and a["tokens"] == b["tokens"], (a["step"], b["step"])
         assert a["logprobs"] == b["logprobs"], f"step {a['step']}"

@@ -382,7 +382,7 @@ def test_tp2_two_agents_small_pool_restore_from_l3(tp2: TP2):
     agent and comes back from L3 (both ranks), with the no-cache answer."""
     s = tp2.get("restarted", pool=SMALL_POOL)
     turns = run_agents(_Bounded(s))
-    for (a, k, got), (_, _, ref) in zip(turns, tp2.ref_agents):
+    for (a, k, got), (_, _, ref) in zip(turns, tp2.ref_agents, strict=True):
         same_output(got, ref, f"agent {a} turn {k}")
         if k > 0:
             assert got.cached_device == 0, (a, k, got.meta)

@@ -161,7 +161,9 @@ def _restore_after_damage(tmp_path, core: str, case: tuple, pool: str, page: int
             assert got.equal(want1), "node Mamba slot differs from turn 1's checkpoint"
             slot = int(req.kv.mamba_pool_idx)
             assert slot != node_slot
-            assert all(a.equal(b) for a, b in zip(h.mamba_state(slot), want1.mamba)), "request Mamba slot differs"
+            assert all(a.equal(b) for a, b in zip(h.mamba_state(slot), want1.mamba, strict=True)), (
+                "request Mamba slot differs"
+            )
         # The rest is computed: the request's rows hold the whole context's KV.
         h.forward(batch)
         rows = st.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :context].long()

@@ -228,34 +228,36 @@ def test_anchor_evicted_between_staging_and_admission(tmp_path, monkeypatch) -> 
     """ "shrunk" → refetch → restored on a later pass, still bound and exact."""
     from sglang.srt.environ import envs
 
-    with envs.SGLANG_HICACHE_BUFFER_ANCHOR_LOCK_CAP.override(0.0):
-        with L3Stack(HybridSpec(page_size=4), str(tmp_path)) as st:
-            head = _seq(st, pages=4)
-            full = head + list(range(5000, 5016))
-            st.write(head)
-            snap = st.write(full)
-            st.evict_all()
-            st.write(head)  # the device anchor F = head, unpinned (cap 0)
-            h = SchedulerHarness(st)
-            req = h.make_req(full + EXTRA)
-            h.arrive(req)
+    with (
+        envs.SGLANG_HICACHE_BUFFER_ANCHOR_LOCK_CAP.override(0.0),
+        L3Stack(HybridSpec(page_size=4), str(tmp_path)) as st,
+    ):
+        head = _seq(st, pages=4)
+        full = head + list(range(5000, 5016))
+        st.write(head)
+        snap = st.write(full)
+        st.evict_all()
+        st.write(head)  # the device anchor F = head, unpinned (cap 0)
+        h = SchedulerHarness(st)
+        req = h.make_req(full + EXTRA)
+        h.arrive(req)
+        h.wait_prefetch(req)
+        assert st.cache.buffer_pipeline.has_staged(req.cache_request_handle)
+        st.evict_all()  # the anchor goes before admission
+        assert h.admit() is None, "the shrunk hold must be re-fetched, not admitted"
+        assert req.kv.mamba_cow_src_index is None and req.kv.mamba_pool_idx is None
+        st.scribble()
+        batch = None
+        for _ in range(50):
             h.wait_prefetch(req)
-            assert st.cache.buffer_pipeline.has_staged(req.cache_request_handle)
-            st.evict_all()  # the anchor goes before admission
-            assert h.admit() is None, "the shrunk hold must be re-fetched, not admitted"
-            assert req.kv.mamba_cow_src_index is None and req.kv.mamba_pool_idx is None
-            st.scribble()
-            batch = None
-            for _ in range(50):
-                h.wait_prefetch(req)
-                batch = h.admit()
-                if batch is not None:
-                    break
-            assert batch is not None and req in batch.reqs
-            h.forward(batch)
-            assert_bound(st, req, full, snap)
-            h.finish(req)
-            assert_baseline(st)
+            batch = h.admit()
+            if batch is not None:
+                break
+        assert batch is not None and req in batch.reqs
+        h.forward(batch)
+        assert_bound(st, req, full, snap)
+        h.finish(req)
+        assert_baseline(st)
 
 
 def test_abort_while_staged(stack: L3Stack) -> None:

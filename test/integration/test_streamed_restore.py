@@ -259,7 +259,9 @@ def test_users_case_through_real_admission(tmp_path, core: str) -> None:
         got = st.snapshot(m.last_device_node, st.node_mamba_slot(m.last_device_node))
         assert got.k.equal(k) and got.v.equal(v) and got.equal(want)
         slot = int(req.kv.mamba_pool_idx)
-        assert all(a.equal(b) for a, b in zip(h.mamba_state(slot), want.mamba)), "request Mamba slot differs"
+        assert all(a.equal(b) for a, b in zip(h.mamba_state(slot), want.mamba, strict=True)), (
+            "request Mamba slot differs"
+        )
         h.finish(req)
         st.settle()
         assert not lane_of(st.cache.buffer_pipeline).streams

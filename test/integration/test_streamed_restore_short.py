@@ -115,7 +115,9 @@ def test_short_device_pool_restores_the_longest_part_that_fits(
             assert got.k.equal(k) and got.v.equal(v), "restored KV differs"
             assert got.equal(want2), "node Mamba slot differs from turn 2's checkpoint"
             slot = int(req.kv.mamba_pool_idx)
-            assert all(a.equal(b) for a, b in zip(h.mamba_state(slot), want2.mamba)), "request Mamba slot differs"
+            assert all(a.equal(b) for a, b in zip(h.mamba_state(slot), want2.mamba, strict=True)), (
+                "request Mamba slot differs"
+            )
         elif mode == "all-or-nothing" or free < turn1:
             assert req.prefix_len == 0, "the stream must be declined"
             assert delta.get("l3_stream_restore{declined_device_short}") == 1
@@ -137,7 +139,9 @@ def test_short_device_pool_restores_the_longest_part_that_fits(
             assert got.equal(want1), "node Mamba slot differs from turn 1's checkpoint"
             slot = int(req.kv.mamba_pool_idx)
             assert slot != node_slot
-            assert all(a.equal(b) for a, b in zip(h.mamba_state(slot), want1.mamba)), "request Mamba slot differs"
+            assert all(a.equal(b) for a, b in zip(h.mamba_state(slot), want1.mamba, strict=True)), (
+                "request Mamba slot differs"
+            )
             c2 = metrics.snapshot()
             assert c2.get("l3_restores", 0) == c0.get("l3_restores", 0) + 1
             assert c2.get("fail_stops", 0) == c0.get("fail_stops", 0)

@@ -79,7 +79,9 @@ def test_a_hit_waits_for_rows_held_by_queued_writes(tmp_path, monkeypatch, core:
             k, v = st.expected_kv(seq)
             assert got.k.equal(k) and got.v.equal(v), "restored KV differs"
             slot = int(req.kv.mamba_pool_idx)
-            assert all(a.equal(b) for a, b in zip(h.mamba_state(slot), want.mamba)), "request Mamba slot differs"
+            assert all(a.equal(b) for a, b in zip(h.mamba_state(slot), want.mamba, strict=True)), (
+                "request Mamba slot differs"
+            )
         h.forward(batch)
         h.finish(req)
         st.settle(timeout=120)

@@ -107,7 +107,7 @@ def test_chunked_prefill_matches_recurrent_reference(lens):
     assert h.dtype == torch.float32  # chunk states stay fp32 (exact restores)
     assert h.shape == (1, sum((n - 1) // 64 + 1 for n in lens), HV, V, K)
     hi = 0
-    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
         ro, after = reference_rule(q[0, s:e], k[0, s:e], v[0, s:e], g[0, s:e], beta[0, s:e], pool[slots[i]])
         torch.testing.assert_close(o[0, s:e].double(), ro, atol=ATOL, rtol=1e-4)
         torch.testing.assert_close(work[slots[i]].double(), after[-1], atol=ATOL, rtol=1e-4)

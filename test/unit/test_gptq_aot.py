@@ -41,7 +41,7 @@ def test_every_variant_uses_wmma(table, request, capsys) -> None:
                 print(
                     f"{r.variant:44s} {','.join(r.wmma) or 'NONE':28s} {r.vgpr:4d} {r.spills:5d} {r.scratch_bytes:7d}"
                 )
-    for (bits, dtype, cfg, gidx), r in table:
+    for (_bits, dtype, _cfg, _gidx), r in table:
         want = "v_wmma_f32_16x16x16_f16" if dtype == torch.float16 else "v_wmma_f32_16x16x16_bf16"
         assert want in r.wmma, f"{r.variant}: no {want} (found {r.wmma})"
         assert r.arch == "gfx1100" and 0 < r.vgpr <= 256

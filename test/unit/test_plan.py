@@ -129,7 +129,7 @@ def test_device_pools_by_hand() -> None:
     assert p.device_contexts == 1
     assert p.context_kv_bytes == 262144 * kv == 8 * GiB
     assert p.states_per_context == 262144 // 8192 == 32
-    assert "--max-total-tokens %d" % p.device_kv_tokens in p.flags
+    assert f"--max-total-tokens {p.device_kv_tokens}" in p.flags
     assert "--max-mamba-cache-size 6" in p.flags and "--max-running-requests 1" in p.flags
     assert (
         "--quantization gptq" in p.flags and "--quantization gptq" not in make_plan(_inputs(tp=4, quant="bf16")).flags

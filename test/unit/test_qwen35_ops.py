@@ -94,10 +94,10 @@ def _child(out_path: str) -> None:
         ba = torch.randn(T, 2 * nv, generator=gen).bfloat16()
         ref = split_k.fused_qkvzba_split_reshape_cat_contiguous(qkvz, ba, nqk, nv, hqk, hv)
         got = ops.fused_qkvzba_split_reshape_cat_contiguous(qkvz, ba, nqk, nv, hqk, hv)
-        res[f"split-r{r}"] = [_compare(a, b) for a, b in zip(ref, got)]
+        res[f"split-r{r}"] = [_compare(a, b) for a, b in zip(ref, got, strict=True)]
         # Qwen3-Next's port reads a per-group interleave: wrong on this layout
         wrong = ops.fused_qkvzba_split_reshape_cat(qkvz.contiguous(), ba, nqk, nv, hqk, hv)
-        res[f"split-r{r}-interleaved-port"] = [bool(torch.equal(a, b)) for a, b in zip(ref, wrong)]
+        res[f"split-r{r}-interleaved-port"] = [bool(torch.equal(a, b)) for a, b in zip(ref, wrong, strict=True)]
 
     for dt_name in DTYPES:
         dt = getattr(torch, dt_name)

@@ -87,7 +87,9 @@ def test_a_step_reads_back_as_a_tool_call_and_reasoning_with_upstreams_parsers(t
     script = _script(tmp_path)
     tools = [Tool(**t) for t in TOOLS]
     steps = script.rules[0].steps
-    for step, want in zip(steps[:2], ({"path": "notes.txt"}, {"path": "out.txt", "content": "two\nlines"})):
+    for step, want in zip(
+        steps[:2], ({"path": "notes.txt"}, {"path": "out.txt", "content": "two\nlines"}), strict=True
+    ):
         # the generation prompt already opened <think>: the model's text starts inside it
         reasoning, rest = ReasoningParser("qwen3", force_reasoning=True).parse_non_stream(step.text())
         assert reasoning.strip() == step.reasoning

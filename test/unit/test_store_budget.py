@@ -114,7 +114,7 @@ def test_real_full_filesystem(tiny_fs):
     c = st.counters()
     assert c["write_enospc"] == 100 - sum(ok)
     assert os.listdir(tiny_fs / "store" / "tmp") == []
-    good = [k for k, o in zip(ks, ok) if o]
+    good = [k for k, o in zip(ks, ok, strict=True) if o]
     assert all(st.batch_get_v1(good[:10], _idx(10, 4, 100)))
     st.close()
 

@@ -143,7 +143,7 @@ def test_two_rank_processes_share_a_directory(tmp_path):
         for r in range(2)
     ]
     outs = [p.communicate(timeout=120) for p in ps]
-    for p, (out, err) in zip(ps, outs):
+    for p, (out, err) in zip(ps, outs, strict=True):
         assert p.returncode == 0 and out.strip() == b"ok", err.decode()[-2000:]
     names = os.listdir(tmp_path / "pages")
     assert len(names) == 80 and sum(".r0of2." in n for n in names) == 40

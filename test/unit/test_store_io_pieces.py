@@ -61,7 +61,7 @@ def _write(st, spec, n: int, seed: int) -> tuple[list[str], list[bytes]]:
 
 def _read(st, spec, keys) -> tuple[list[bool], list[bytearray]]:
     bufs = [bytearray(PAGE) for _ in keys]
-    ok = st.read([ReadItem(k, spec, _runs(b, CUTS)) for k, b in zip(keys, bufs)])
+    ok = st.read([ReadItem(k, spec, _runs(b, CUTS)) for k, b in zip(keys, bufs, strict=True)])
     return ok, bufs
 
 

@@ -46,7 +46,7 @@ def test_kv_v1_round_trip_every_layout(tmp_path, layout):
     assert len(page_files(tmp_path)) == 5
     # Payload on disk == upstream's flat page bytes (the format only adds a header).
     name = [f for f in page_files(tmp_path) if f.startswith(ks[2])][0]
-    raw = open(tmp_path / "pages" / name, "rb").read()
+    raw = (tmp_path / "pages" / name).read_bytes()
     hlen = header_len_for(len(want[2]))
     assert raw[hlen:] == want[2]
     h = decode_header(raw[:hlen], len(raw))

@@ -69,13 +69,13 @@ def test_page_first_direct_matches_reference(ps: int, mla: bool, kind: str, page
         per_layer_ref = [ref_dev[layer]] if mla else [ref_dev[layer], ref_dev[LAYERS + layer]]
         ops.transfer_kv_per_layer_direct_pf_lf(host, per_layer_dev, host_idx, dev_idx, layer, ps)
         _reference(host, per_layer_ref, host_idx, dev_idx, layer, ps, False)
-        assert all(torch.equal(a, b) for a, b in zip(dev, ref_dev))
+        assert all(torch.equal(a, b) for a, b in zip(dev, ref_dev, strict=True))
     # device -> host, all layers (backup)
     host, dev = _pools(mla, ps, host_pages, dev_tokens)
     ref_host = [t.clone() for t in host]
     ops.transfer_kv_all_layer_direct_lf_pf(dev, host, dev_idx, host_idx, ps)
     _reference(dev, ref_host, dev_idx, host_idx, 0, ps, True)
-    assert all(torch.equal(a, b) for a, b in zip(host, ref_host))
+    assert all(torch.equal(a, b) for a, b in zip(host, ref_host, strict=True))
 
 
 @pytest.mark.parametrize("n", [30, 600])
@@ -88,9 +88,9 @@ def test_transfer_kv_direct_matches_reference(kind: str, n: int) -> None:
     si = _indices(kind, n, 1, 2000)
     di = _indices("random", n, 1, 2000)
     ops.transfer_kv_direct(src, dst, si, di, 1)
-    for s, r in zip(src, ref):
+    for s, r in zip(src, ref, strict=True):
         r[di] = s[si]
-    assert all(torch.equal(a, b) for a, b in zip(dst, ref))
+    assert all(torch.equal(a, b) for a, b in zip(dst, ref, strict=True))
 
 
 def test_bad_counts_are_errors() -> None:

@@ -30,7 +30,7 @@ def _runs(src_idx: torch.Tensor, dst_idx: torch.Tensor, step: int = 1) -> list[t
     brk = ((s[1:] - s[:-1]) != step) | ((d[1:] - d[:-1]) != step)
     starts = torch.cat([torch.zeros(1, dtype=torch.long), brk.nonzero().flatten() + 1])
     lens = torch.diff(starts, append=torch.tensor([s.numel()]))
-    return list(zip(s[starts].tolist(), d[starts].tolist(), lens.tolist()))
+    return list(zip(s[starts].tolist(), d[starts].tolist(), lens.tolist(), strict=True))
 
 
 def _check(src_indices: torch.Tensor, dst_indices: torch.Tensor, page_size: int) -> None:
@@ -53,7 +53,7 @@ def transfer_kv_direct(
     src_cpu, dst_cpu = src_indices.cpu(), dst_indices.cpu()
     runs = _runs(src_cpu, dst_cpu)
     for s, d, n in runs:
-        for src, dst in zip(src_layers, dst_layers):
+        for src, dst in zip(src_layers, dst_layers, strict=True):
             dst.narrow(0, d, n).copy_(src.narrow(0, s, n))
 
 

@@ -82,10 +82,7 @@ def causal_conv1d_fn(
         if slot < 0 or slot == pad_slot_id or e <= s:
             continue
         n = e - s
-        if init[i]:
-            prev = conv_states[slot].float()
-        else:
-            prev = torch.zeros(dim, L, dtype=torch.float32)
+        prev = conv_states[slot].float() if init[i] else torch.zeros(dim, L, dtype=torch.float32)
         full = torch.cat([prev, x[:, s:e].float()], dim=1)  # [dim, L + n]
         y = _conv(full[:, L - (W - 1) :], wf, bf, n)
         out[:, s:e] = _activate(y, activation).to(out.dtype)

@@ -21,7 +21,7 @@ matmul; ATen's own bf16 GEMM (mkldnn off) is also invariant but ~60x slower.
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +108,7 @@ def compute_lm_head(original, self, hidden_states: torch.Tensor, lm_head, embedd
     )
     if not plain:
         return original(self, hidden_states, lm_head, embedding_bias, out=out)
+    assert isinstance(weight, torch.Tensor)  # `plain` checked it
     return linear_rows(hidden_states.to(weight.dtype), weight)
 
 
@@ -133,7 +134,7 @@ def moe_forward_native(original, layer: torch.nn.Module, x: torch.Tensor, *args,
     two F.linear calls take the tokens routed to it, whose count (M) changes with the
     batch; inside the call the module's `F` is ROWS_F, so they are row-invariant.
     Only the scheduler thread of a rank runs a forward, so the swap has no other reader."""
-    module = sys.modules[original.__module__]
+    module: Any = sys.modules[original.__module__]  # upstream's module: its `F` is swapped
     if x.device.type != "cpu" or getattr(module, "F", None) is not F:
         return original(layer, x, *args, **kwargs)
     module.F = ROWS_F

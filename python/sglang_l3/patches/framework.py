@@ -36,7 +36,8 @@ class PatchError(RuntimeError):
     """A patch could not be verified or applied. Always names patch and target."""
 
 
-class State(str, enum.Enum):
+# every str()/format of a state goes through .value, so StrEnum changes no output
+class State(enum.StrEnum):
     APPLIED = "applied"
     DISABLED = "disabled"
     DRIFTED = "drifted"

@@ -86,7 +86,9 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
         prefill_tps=args.prefill_tps,
         gpu=args.gpu,
         store_dir=args.store_dir,
-        **sizes,
+        gpu_mem=sizes["gpu_mem"],
+        host_ram=sizes["host_ram"],
+        nvme=sizes["nvme"],
     )
     if args.disk_read_gbps is not None and args.measure:
         raise PlanError("--disk-read-gbps and --measure: give one")

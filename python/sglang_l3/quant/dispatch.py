@@ -289,9 +289,8 @@ def discover(namespaces_first: Sequence[str] = ()) -> NativeDiscovery:
     namespaces: list[str] = list(namespaces_first)
     if os.environ.get(ENV_NATIVE, "1") != "0":
         user_lib = os.environ.get(ENV_OPS)
-        if user_lib:
-            if _load_library(user_lib, out.notes):
-                namespaces.append("sglang_l3")  # where our own native kernel registers
+        if user_lib and _load_library(user_lib, out.notes):
+            namespaces.append("sglang_l3")  # where our own native kernel registers
         _vllm_rocm_c(out.notes)
         _sgl_kernel(out.notes)
         namespaces += ["sglang_l3", "_rocm_C", "sgl_kernel"]
@@ -554,7 +553,7 @@ def select(
     if decision.fmt != declared:
         logger.warning("sglang-l3 GPTQ %s: %s", prefix or "<layer>", decision.reason)
     skipped: list[tuple[str, str]] = []
-    truth = dict(
+    truth: dict[str, Any] = dict(
         bits=bits, fmt=decision.fmt, group_size=layer.group_size, act_order=layer.perm is not None, dtype=dtype
     )
     for kernel in candidates() if kernels is None else kernels:

@@ -116,16 +116,10 @@ def gptq_gemm_kernel(
                 z1_hi = z1_lo
             z1 = _extract(z1_lo, z1_hi, zoff, BITS) + ZOFF
             wi = q - z1[None, :]
-            if DOT_F32:
-                part = tl.dot(x.to(tl.float32), wi.to(tl.float32))
-            else:
-                part = tl.dot(x, wi.to(x.dtype))
+            part = tl.dot(x.to(tl.float32), wi.to(tl.float32)) if DOT_F32 else tl.dot(x, wi.to(x.dtype))
             acc += part * s1.to(tl.float32)[None, :]
         else:
-            if HAS_GIDX:
-                g = tl.load(gidx_ptr + offs_k, mask=k_ok, other=0)
-            else:
-                g = offs_k // group_size
+            g = tl.load(gidx_ptr + offs_k, mask=k_ok, other=0) if HAS_GIDX else offs_k // group_size
             s = tl.load(s_ptr + g[:, None] * ssg + offs_n[None, :] * ssn, mask=wmask, other=0.0)
             z_lo = tl.load(qz_ptr + g[:, None] * szg + zword[None, :] * szn, mask=wmask, other=0)
             if BITS == 3:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from fractions import Fraction
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from sglang.srt.layers.quantization.gptq import GPTQConfig, GPTQLinearMethod
@@ -174,11 +174,12 @@ class _DispatchedKernel:
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         cfg = self.config
         declared: ZeroFormat = "v2" if cfg.checkpoint_format == "gptq_v2" else "v1"
+        # upstream's create_weights registered these; torch types a module attribute Tensor | Module
         ck = dispatch.Checkpoint(
-            qweight=layer.qweight.data,
-            qzeros=layer.qzeros.data,
-            scales=layer.scales.data,
-            g_idx=layer.g_idx.data if getattr(layer, "g_idx", None) is not None else None,
+            qweight=cast(torch.Tensor, layer.qweight.data),
+            qzeros=cast(torch.Tensor, layer.qzeros.data),
+            scales=cast(torch.Tensor, layer.scales.data),
+            g_idx=cast(torch.Tensor, layer.g_idx.data) if getattr(layer, "g_idx", None) is not None else None,
         )
         dtype = getattr(layer, "params_dtype", None) or ck.scales.dtype
         sel = dispatch.select(

@@ -227,7 +227,7 @@ class Prediction:
 
     def stage_due(self, tm: Any) -> list[Hint]:
         """Start a hint for every due session whose last context is known."""
-        out = []
+        out: list[Hint] = []
         if self.predictor is None:
             return out
         for sid in self.predictor.due():

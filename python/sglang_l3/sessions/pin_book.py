@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from sglang_l3 import envs, metrics
 from sglang_l3.sessions.return_prediction import ReturnPredictor, percentile_setting
@@ -107,7 +107,7 @@ class PinBook:
         return self.pins.pop(sid)
 
 
-_BOOK: PinBook | None | bool = None
+_BOOK: PinBook | None | Literal[False] = None  # False: looked up, off
 
 
 def book() -> PinBook | None:

@@ -226,6 +226,7 @@ class SimEvent:
     def query(self) -> bool:
         if self.done():
             return True
+        assert self.stream is not None  # done() without a stream
         d = self.stream._d
         if d.worker is not None:
             return False  # threaded: the device completes it by itself

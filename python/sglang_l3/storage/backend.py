@@ -217,11 +217,11 @@ class L3FileStore(HiCacheStorage):
             )
             return None
         idx = host_indices.tolist()
-        plan = []
+        plan: list[tuple[Any, Target]] = []
         chain = _chain(keys, prefix_keys) if write else None
         for i, key in enumerate(keys):
             index = int(idx[i * pm.page_size])
-            if write:
+            if chain is not None:  # a write
                 t = pm.source(index)
                 prior, depth = chain[i]
                 plan.append((WriteItem(key, spec, t.runs, prior, depth), t))
@@ -315,9 +315,11 @@ class L3FileStore(HiCacheStorage):
     ) -> List[torch.Tensor | None]:
         if not target_locations:
             return [None] * len(keys)
-        items = [ReadItem(k, self._flat_spec(t), flat_tensor_target(t)) for k, t in zip(keys, target_locations)]
+        items = [
+            ReadItem(k, self._flat_spec(t), flat_tensor_target(t)) for k, t in zip(keys, target_locations, strict=False)
+        ]
         res = self.store.read(items)
-        return [t if ok else None for t, ok in zip(target_locations, res)]
+        return [t if ok else None for t, ok in zip(target_locations, res, strict=False)]
 
     def get(
         self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None
@@ -335,7 +337,7 @@ class L3FileStore(HiCacheStorage):
         if values is None:
             return False
         vals = [v.contiguous() for v in values]
-        items = [WriteItem(k, self._flat_spec(v), flat_tensor_target(v)) for k, v in zip(keys, vals)]
+        items = [WriteItem(k, self._flat_spec(v), flat_tensor_target(v)) for k, v in zip(keys, vals, strict=False)]
         return all(self.store.write(items)) and len(items) == len(keys)
 
     def set(
@@ -374,7 +376,7 @@ class L3FileStore(HiCacheStorage):
         pages = sum(1 for ok in res if ok)
         if not pages:
             return
-        nbytes = sum(it.spec.payload_len for it, ok in zip(items, res) if ok)
+        nbytes = sum(it.spec.payload_len for it, ok in zip(items, res, strict=True) if ok)
         with self._stats_lock:
             self._io_stats[write].append((pages, nbytes / max(seconds, 1e-9) / 1e9))
 

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sglang_l3.storage import index, writers
@@ -398,7 +399,13 @@ def _clear(dirs: StoreDirs, args: argparse.Namespace, _t: Any) -> int:
     return EXIT_OK
 
 
-_COMMANDS = {"stats": _stats, "ls": _ls, "verify": _verify, "evict": _evict, "clear": _clear}
+_COMMANDS: dict[str, Callable[[StoreDirs, argparse.Namespace, Any], int]] = {
+    "stats": _stats,
+    "ls": _ls,
+    "verify": _verify,
+    "evict": _evict,
+    "clear": _clear,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

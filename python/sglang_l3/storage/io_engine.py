@@ -26,6 +26,7 @@ Torch- and sglang-free.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import errno
 import itertools
@@ -170,18 +171,29 @@ def _preadv_all(fd: int, views: list[memoryview], off: int) -> int:
 _memmove = ctypes.memmove  # a ctypes foreign call: copies without holding the GIL
 
 
+def _copy_address(mv: memoryview) -> int:
+    """buffer_address of a view a bounce copy goes through: a memmove to or from
+    NULL (a read-only view) would crash the process, so that is an error."""
+    addr = buffer_address(mv)
+    if addr is None:
+        raise ValueError(f"cannot copy through a read-only buffer ({mv.nbytes} bytes)")
+    return addr
+
+
 def _gather(dst: memoryview, views: list[memoryview]) -> None:
-    base, off = buffer_address(dst), 0
+    base, off = _copy_address(dst), 0
     for v in views:
-        _memmove(base + off, buffer_address(v), v.nbytes)
-        off += v.nbytes
+        if v.nbytes:  # an empty view has no address and nothing to copy
+            _memmove(base + off, _copy_address(v), v.nbytes)
+            off += v.nbytes
 
 
 def _scatter(src: memoryview, views: list[memoryview]) -> None:
-    base, off = buffer_address(src), 0
+    base, off = _copy_address(src), 0
     for v in views:
-        _memmove(buffer_address(v), base + off, v.nbytes)
-        off += v.nbytes
+        if v.nbytes:  # an empty view has no address and nothing to copy
+            _memmove(_copy_address(v), base + off, v.nbytes)
+            off += v.nbytes
 
 
 def _aligned_buffer(nbytes: int) -> mmap.mmap:
@@ -191,15 +203,13 @@ def _aligned_buffer(nbytes: int) -> mmap.mmap:
 def _read_hashed(p: _Page, i: int, a: int, b: int) -> None:
     """Buffered read of payload block i ([a, b)) in pieces, each hashed while
     it is still in the cache (block 0 brings the header along)."""
+    assert p.hdr is not None  # read() gives every page its header view before the tasks run
     h = block_hasher()
     s = a
     while s < b:
         e = min(s + _READ_PIECE, b)
         views = _slice(p.runs, p.cum, s, e)
-        if s == 0:
-            got = _preadv_all(p.fd, [p.hdr] + views, 0) - p.hlen
-        else:
-            got = _preadv_all(p.fd, views, p.hlen + s)
+        got = _preadv_all(p.fd, [p.hdr] + views, 0) - p.hlen if s == 0 else _preadv_all(p.fd, views, p.hlen + s)
         if got != e - s:
             p.short = True
             return
@@ -419,6 +429,7 @@ class IOEngine:
             off = 0
             for p in pages:
                 if p.direct:
+                    assert hbuf is not None  # allocated above for the direct pages
                     p.hdr = hbuf[off : off + p.hlen]
                     off += p.hlen
 
@@ -456,7 +467,8 @@ class IOEngine:
                     p.hdr = None
 
             self._run(pages, task, finalize)
-            if self.durability == "batch" and any(results[p.index].ok for p in pages):
+            # finalize gave every page a result; None would read as "not run", as below
+            if self.durability == "batch" and any((res := results[p.index]) is not None and res.ok for p in pages):
                 try:
                     dfd = self._dir_fds.get(os.path.abspath(self.pages_dir))
                     if dfd is not None:
@@ -481,16 +493,12 @@ class IOEngine:
 
     def _discard(self, p: _Page) -> None:
         if p.fd >= 0:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(p.fd)
-            except OSError:
-                pass
             p.fd = -1
         if p.tmp:
-            try:
+            with contextlib.suppress(OSError):
                 self._unlink(p.tmp)
-            except OSError:
-                pass
 
     @staticmethod
     def _error_result(e: BaseException) -> IOResult:
@@ -551,10 +559,8 @@ class IOEngine:
             views = _slice(p.runs, p.cum, a, b)
             want = b - a
             dst = [self._bounce()[:want]] if p.bounce else views
-            if i == 0:
-                got = _preadv_all(p.fd, [p.hdr] + dst, 0) - p.hlen
-            else:
-                got = _preadv_all(p.fd, dst, p.hlen + a)
+            assert p.hdr is not None  # set for every page above; finalize clears it
+            got = _preadv_all(p.fd, [p.hdr] + dst, 0) - p.hlen if i == 0 else _preadv_all(p.fd, dst, p.hlen + a)
             if got != want:
                 p.short = True
                 return
@@ -569,25 +575,22 @@ class IOEngine:
                     raise p.error
                 if p.short:
                     raise HeaderError("truncated", "short read")
+                assert p.hdr is not None  # cleared only below, after this
                 header = decode_header(p.hdr, p.st_size)
                 if header.payload_len != p.payload_len:
                     raise HeaderError("geometry", f"payload {header.payload_len} != {p.payload_len}")
                 reason = job.check(header)
                 if reason:
                     raise HeaderError("identity", reason)
-                bad = [i for i, (x, y) in enumerate(zip(header.sums, p.sums)) if x != y]
+                bad = [i for i, (x, y) in enumerate(zip(header.sums, p.sums, strict=True)) if x != y]
                 if bad:
                     raise HeaderError("checksum", f"payload blocks {bad[:4]} do not match")
                 if not p.direct:
-                    try:  # the bytes now live in host memory; don't keep a second copy
+                    with contextlib.suppress(OSError):  # the bytes now live in host memory; don't keep a second copy
                         os.posix_fadvise(p.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    except OSError:
-                        pass
                 if time.time() - p.st_mtime > _TOUCH_AFTER_S:
-                    try:  # recency survives restarts (the evictor seeds LRU from mtime)
+                    with contextlib.suppress(OSError):  # recency survives restarts (the evictor seeds LRU from mtime)
                         os.utime(p.fd)
-                    except OSError:
-                        pass
                 results[p.index] = IOResult(True, file_id=p.file_id, direct=p.direct, bounce=p.bounce)
             except HeaderError as e:
                 results[p.index] = IOResult(False, e.reason, e.detail, corrupt=True, file_id=p.file_id)
@@ -605,8 +608,6 @@ class IOEngine:
     @staticmethod
     def _discard_read(p: _Page) -> None:
         if p.fd >= 0:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(p.fd)
-            except OSError:
-                pass
             p.fd = -1

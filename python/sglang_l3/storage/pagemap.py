@@ -41,7 +41,7 @@ def tensor_runs(t: torch.Tensor) -> list[Run]:
         if x.numel() == 0:
             return
         if x.is_contiguous():
-            out.append((x.untyped_storage(), x.storage_offset() * x.element_size(), x.numel() * x.element_size()))
+            out.append((x.untyped_storage(), int(x.storage_offset()) * x.element_size(), x.numel() * x.element_size()))
             return
         for i in range(x.shape[0]):
             walk(x[i])
@@ -144,7 +144,7 @@ class PageMap:
         if len(runs1) != len(runs0):
             return None
         tmpl = []
-        for (s0, o0, n0), (s1, o1, n1) in zip(runs0, runs1):
+        for (s0, o0, n0), (s1, o1, n1) in zip(runs0, runs1, strict=True):
             if s0.data_ptr() != s1.data_ptr() or n0 != n1:
                 return None
             tmpl.append((s0, o0, o1 - o0, n0))

@@ -190,7 +190,7 @@ class SessionRetention:
         the new chain diverges before the old chain's input ended (a
         rewritten history); [] for an ordinary next turn."""
         shared = 0
-        for a, b in zip(old.keys, keys):
+        for a, b in zip(old.keys, keys, strict=False):
             if a != b:
                 break
             shared += 1
@@ -384,7 +384,7 @@ def make_session_evictor(base: type, retention: SessionRetention, counters: Any)
     classes; everything else (reserve/commit/abort/touch, the cap, the
     free-space floor, pending-write protection) is upstream's."""
 
-    class SessionAwareEvictor(base):  # type: ignore[misc, valid-type]
+    class SessionAwareEvictor(base):
         def _evict_while(self, should_continue: Callable[[int], bool]) -> int:
             if not self._lru or not should_continue(0):
                 return 0

@@ -17,6 +17,7 @@ Other modules that keep a file in the store (a table, a manifest) use
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -214,10 +215,8 @@ def ensure_store_dir(root: PathLike, subdirs: Iterable[str] = SUBDIRS) -> Path:
         _check_ancestors(root)
         check_dir(root)  # before creating anything inside someone else's directory
         for sub in subdirs:
-            try:
+            with contextlib.suppress(FileExistsError):
                 os.mkdir(root / sub, 0o700)
-            except FileExistsError:
-                pass
     finally:
         os.umask(old)
     return check_store(root, subdirs)
@@ -337,7 +336,8 @@ class StoreDirs:
         try:
             if os.fstat(fd).st_size > max_bytes:
                 return None
-            chunks, n = [], 0
+            chunks: list[bytes] = []
+            n = 0
             while True:
                 b = os.read(fd, 1 << 20)
                 if not b:
@@ -368,10 +368,8 @@ class StoreDirs:
                 os.close(fd)
             os.rename(tmp, name, src_dir_fd=self._fds["tmp"], dst_dir_fd=self._fds[sub])
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=self._fds["tmp"])
-            except OSError:
-                pass
             raise
         if durable:
             os.fsync(self._fds[sub])
@@ -387,10 +385,8 @@ class StoreDirs:
     def close(self) -> None:
         for fd in list(self._fds.values()) + [getattr(self, "root_fd", -1)]:
             if fd >= 0:
-                try:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
         self._fds.clear()
         self.root_fd = -1
 

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, TypeGuard
 
 from sglang_l3.storage.safety import StoreDirs, UnsafeStoreError, valid_key
 
@@ -66,7 +66,7 @@ def is_implicit_id(sid: object) -> bool:
     return isinstance(sid, str) and sid.startswith(IMPLICIT_PREFIX)
 
 
-def valid_session_id(sid: object) -> bool:
+def valid_session_id(sid: object) -> TypeGuard[str]:
     return isinstance(sid, str) and 0 < len(sid) <= MAX_ID_LEN and sid.isprintable()
 
 

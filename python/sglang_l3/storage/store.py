@@ -7,6 +7,7 @@ never an exception: a bad page is a miss, counted and moved to quarantine/.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -276,7 +277,7 @@ class PageStore:
         t0 = time.perf_counter()
         results = self.engine.read(jobs) if jobs else []
         self.counters.inc("read_seconds", time.perf_counter() - t0)
-        for (i, name), job, r in zip(where, jobs, results):
+        for (i, name), job, r in zip(where, jobs, results, strict=True):
             self.counters.inc("read_pages")
             if r.ok:
                 out[i] = True
@@ -326,12 +327,10 @@ class PageStore:
                 if self.evictor is not None and self._owned(it.spec):
                     self.evictor.touch(name.stem, path)
                 continue
-            owned = self.evictor is not None and self._owned(it.spec)
+            owner = self.evictor if self.evictor is not None and self._owned(it.spec) else None
             admit = None
-            if owned:
-                admit = (lambda stem, n, k: lambda: self.evictor.reserve(stem, n, key=k))(
-                    name.stem, it.spec.file_len, it.key
-                )
+            if owner is not None:
+                admit = functools.partial(owner.reserve, name.stem, it.spec.file_len, key=it.key)
             meta = dict(
                 self._page_meta(it.spec, name.shard),
                 key=it.key,
@@ -340,11 +339,11 @@ class PageStore:
                 created=round(time.time(), 3),
             )
             jobs.append(WriteJob(path, it.runs, it.spec.payload_len, meta, admit))
-            where.append((i, name, owned))
+            where.append((i, name, owner))
         t0 = time.perf_counter()
         results = self.engine.write(jobs) if jobs else []
         self.counters.inc("write_seconds", time.perf_counter() - t0)
-        for (i, name, owned), job, r in zip(where, jobs, results):
+        for (i, name, owner), job, r in zip(where, jobs, results, strict=True):
             self.counters.inc("write_pages")
             if r.ok:
                 out[i] = True
@@ -354,14 +353,14 @@ class PageStore:
                     self.counters.inc("write_direct")
                 if r.bounce:
                     self.counters.inc("write_bounce")
-                if owned:
-                    self.evictor.commit(name.stem)
+                if owner is not None:
+                    owner.commit(name.stem)
                 continue
             if r.status == "budget":  # refused before anything was reserved
                 self.counters.inc("write_dropped_budget")
                 continue
-            if owned:
-                self.evictor.abort(name.stem)
+            if owner is not None:
+                owner.abort(name.stem)
             if r.status == "enospc":
                 self.counters.inc("write_enospc")
                 logger.warning("sglang-l3 store: disk full writing %s; page dropped, serving continues", name.filename)

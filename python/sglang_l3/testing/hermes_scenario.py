@@ -141,7 +141,7 @@ def ideal(prev: dict[str, Any], cur: dict[str, Any]) -> int:
     """Page-aligned common prefix of this prompt with the previous prompt + its answer."""
     a, b = prev["prompt_ids"] + prev["tokens"], cur["prompt_ids"]
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
@@ -180,7 +180,7 @@ def reuse_rows(rows: list[dict[str, Any]], marker: str) -> list[dict[str, Any]]:
     """One agent's calls after its first: step, prompt, cached (total, device, L3), ideal."""
     mine = [r for r in rows if r["rule"] == marker]
     out = []
-    for prev, cur in zip(mine, mine[1:]):
+    for prev, cur in zip(mine, mine[1:], strict=False):
         c = cur["cached"]
         out.append(
             {

@@ -71,7 +71,7 @@ class Snapshot:
             torch.equal(self.k, other.k)
             and torch.equal(self.v, other.v)
             and len(self.mamba) == len(other.mamba)
-            and all(torch.equal(a, b) for a, b in zip(self.mamba, other.mamba))
+            and all(torch.equal(a, b) for a, b in zip(self.mamba, other.mamba, strict=True))
         )
 
 
@@ -531,7 +531,7 @@ class L3Stack:
         for layer, got in read.mamba:
             i = layer_index[layer]
             now = [mc.temporal[i, slots]] + [c[i, slots] for c in mc.conv]
-            if not all(a.equal(b) for a, b in zip(got, now)):
+            if not all(a.equal(b) for a, b in zip(got, now, strict=True)):
                 raise RestoreFailed(f"the forward pass read a Mamba state in layer {layer} before it landed")
 
     def inflight_forward_write_then_free(self, value: float = 123.0) -> torch.Tensor:

@@ -53,7 +53,7 @@ def _record_explicit(action: argparse.Action) -> None:
     class Recording(base):  # type: ignore[valid-type, misc]
         _sglang_l3_recording = True
 
-        def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
+        def __call__(self, parser, namespace, values, option_string=None):
             explicit = set(getattr(namespace, _EXPLICIT, ()))
             explicit.add(self.dest)
             setattr(namespace, _EXPLICIT, explicit)
@@ -77,6 +77,8 @@ def _find_action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
 
 def _extend_parser(parser: argparse.ArgumentParser) -> None:
     layout = _find_action(parser, "--hicache-mem-layout")
+    if layout.choices is None:
+        raise RuntimeError("upstream --hicache-mem-layout has no choices; re-verify patch cli-buffer-only")
     if CHOICE not in layout.choices:
         layout.choices = [*layout.choices, CHOICE]
     layout.help = (
@@ -116,7 +118,7 @@ def _add_cli_args(original, parser: argparse.ArgumentParser) -> Any:
 def _from_cli_args(original, cls, args: argparse.Namespace) -> Any:
     host = getattr(args, "hicache_host_memory_mode", None)
     io = getattr(args, "hicache_io_backend", None)
-    explicit = getattr(args, _EXPLICIT, set())
+    explicit: set[str] = getattr(args, _EXPLICIT, set())
     if getattr(args, "hicache_mem_layout", None) == CHOICE:
         for key, value in translate(
             host,

@@ -321,6 +321,7 @@ def _hybrid_host_bytes(params: Any, ratio: float) -> int | None:
     states = getattr(mamba, "mamba_cache", None)
     if full is None or states is None or params.mtp_draft_device_pools or not hasattr(full, "v_head_dim"):
         return None
+    assert mamba is not None  # it holds `states`
     page = params.page_size
     tokens = full.size if full.host_capacity_tokens is None else full.host_capacity_tokens
     per_token = (full.head_dim + full.v_head_dim) * full.head_num * full.layer_num * full.store_dtype.itemsize

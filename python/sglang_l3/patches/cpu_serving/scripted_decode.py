@@ -19,7 +19,7 @@ the same way. Only TP rank 0 writes the record; every rank forces the same token
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from sglang_l3 import envs
 from sglang_l3.patches.framework import PatchContext
@@ -64,7 +64,8 @@ class _Scripter:
 
         self.live.pop(req.rid, None)
         ids = list(req.origin_input_ids)
-        chosen = self.script.choose(self.tok.decode(ids, skip_special_tokens=False))
+        # one sequence of ids decodes to one str (transformers types it str | list[str])
+        chosen = self.script.choose(cast(str, self.tok.decode(ids, skip_special_tokens=False)))
         if chosen is None:
             return None
         rule, k = chosen

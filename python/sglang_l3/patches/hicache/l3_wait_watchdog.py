@@ -150,14 +150,14 @@ def check(sched: Any, idle: bool, now: float | None = None, verify: bool | None 
         return _report(waiting, limits, clocks, now)
     over = [
         int(not (c := clocks[req.cache_request_handle]).abandoned and c.stalled > lim)
-        for (req, _), lim in zip(waiting, limits)
+        for (req, _), lim in zip(waiting, limits, strict=True)
     ]
     t = torch.tensor(over, dtype=torch.int32)
     cache._all_reduce(t, torch.distributed.ReduceOp.MAX)  # any rank over: every rank abandons
     agreed = t.tolist()
     if not any(agreed):
         return []
-    pick = [(req, st, lim) for (req, st), lim, f in zip(waiting, limits, agreed) if f]
+    pick = [(req, st, lim) for (req, st), lim, f in zip(waiting, limits, agreed, strict=True) if f]
     mine = [_describe(sched, cache, req, st, clocks[req.cache_request_handle]) for req, st, _ in pick]
     everyone = _gather(sched, mine)
     out = []
@@ -180,7 +180,7 @@ def check(sched: Any, idle: bool, now: float | None = None, verify: bool | None 
 def _report(waiting: list[tuple[Any, str]], limits: list[float], clocks: dict[Any, _Clock], now: float) -> list[str]:
     """Detect mode: log and count each request past budget + margin, once per wait."""
     out = []
-    for (req, state), lim in zip(waiting, limits):
+    for (req, state), lim in zip(waiting, limits, strict=True):
         c = clocks[req.cache_request_handle]
         if c.reported or c.stalled <= lim:
             continue

@@ -769,6 +769,7 @@ def apply(ctx: PatchContext) -> None:
             return orig(self, req, f, plan, load_back_id, load_xfers)
         base = s.start + s.r_tokens
         d = plan.device_prefix_len
+        assert s.f is not None  # stage() set it before the state became staged
         matched, num, hashes = s.f
         f2 = msgspec.structs.replace(f, matched_len=matched, num_tokens=num, hash_values=hashes)
         new_d = max(d, base)

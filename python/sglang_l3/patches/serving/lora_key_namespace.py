@@ -27,9 +27,12 @@ def client_key(extra_key: Any) -> Any:
 
 def namespace_extra_key(tokenizer_manager: Any, tokenized: Any) -> None:
     """Mark a tokenized request's caller extra_key when LoRA and L3 are both on."""
-    if getattr(tokenizer_manager, "enable_lora", False) and l3_attached(tokenizer_manager):
-        if getattr(tokenized, "extra_key", None):
-            tokenized.extra_key = client_key(tokenized.extra_key)
+    if (
+        getattr(tokenizer_manager, "enable_lora", False)
+        and l3_attached(tokenizer_manager)
+        and getattr(tokenized, "extra_key", None)
+    ):
+        tokenized.extra_key = client_key(tokenized.extra_key)
 
 
 def apply(ctx: PatchContext) -> None:

@@ -104,8 +104,8 @@ def _on_release(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) ->
     rid = getattr(req, "rid", None)
     aborted = isinstance(getattr(req, "finished_reason", None), FINISH_ABORT)
     if aborted and isinstance(rid, str) and rid.startswith(HINT_RID_PREFIX):
-        hinted = _HINTED.get(cache)
-        for sid in [s for s, r in (hinted or {}).items() if r == rid]:
+        hinted = _HINTED.get(cache) or {}
+        for sid in [s for s, r in hinted.items() if r == rid]:
             del hinted[sid]  # an aborted hint claims nothing
         return
     sid = session_id_of(req)
@@ -199,14 +199,14 @@ def verdict(sched: Any, req: Any) -> str | None:
     free = int(sched.token_to_kv_pool_allocator.available_size())
     if need <= free:
         return None  # nothing is evicted at all
-    hinted = _HINTED.get(cache)
-    for gone in [s for s in (hinted or ()) if not reg.is_open(s)]:
+    hinted = _HINTED.get(cache) or {}
+    for gone in [s for s in hinted if not reg.is_open(s)]:
         del hinted[gone]  # closed or dropped: its claim goes too (a reopened session starts clean)
     hinted_sid = hint_session(req.rid)
     hinted_rec = reg.get(hinted_sid) if hinted_sid is not None else None
     ctx = {
         "busy": busy_sessions(sched),
-        "hinted": set(hinted or ()),
+        "hinted": set(hinted),
         "prio": None if hinted_rec is None else hinted_rec.priority,  # None: lowest
         "writes": _queued_write_nodes(cache),
     }
@@ -323,6 +323,7 @@ def _add_request_to_queue(original: Any, sched: Any, req: Any, is_retracted: boo
     result = original(sched, req, is_retracted)
     sid = hint_session(rid)
     if sid is not None and _queued(sched, req):
+        assert isinstance(rid, str)  # is_hint: any other rid returned above
         hinted_of(sched.tree_cache)[sid] = rid  # "sid speaks next" until its request arrives
     return result
 

@@ -28,6 +28,7 @@ and load-back stage it, on every TP rank alike.
 # No `from __future__ import annotations`: FastAPI reads the route handlers'
 # annotations (Request) at runtime, from this module's globals.
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -78,10 +79,8 @@ def _pages_bytes(root: str) -> int:
     try:
         with os.scandir(os.path.join(root, "pages")) as it:
             for e in it:
-                try:
+                with contextlib.suppress(OSError):  # evicted meanwhile
                     total += e.stat(follow_symlinks=False).st_size
-                except OSError:  # evicted meanwhile
-                    pass
     except OSError:
         return 0
     return total
@@ -221,13 +220,14 @@ def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *ar
 
     ids, sid, is_hint = request_ids_and_session(obj)
     top_sid = getattr(obj, "session_id", None)
-    predicted = not is_hint and isinstance(top_sid, str)
+    # the session whose next turn is predicted (None: a hint, or no session)
+    predicted = top_sid if not is_hint and isinstance(top_sid, str) else None
 
     async def run() -> Any:
         if not is_hint and BOOK.hints:
             await BOOK.join(ids, sid)
-        if predicted:
-            prediction().arrived(tm, top_sid)
+        if predicted is not None:
+            prediction().arrived(tm, predicted)
         last = None
         # what `sglang-l3 top` shows per session (sglang_l3.sessions.activity)
         watched = None if is_hint or not isinstance(top_sid, str) else top_sid
@@ -240,8 +240,8 @@ def _generate_request(original: Any, tm: Any, obj: Any, request: Any = None, *ar
                 last = out
                 yield out
         finally:
-            if predicted:
-                prediction().answered(top_sid)
+            if predicted is not None:
+                prediction().answered(predicted)
             if watched is not None:
                 ACTIVITY.finished(watched, t0, first_at, context_tokens(last), last)
         if ids is not None and isinstance(top_sid, str) and isinstance(last, dict):
