@@ -250,10 +250,42 @@ TOOL = {
         "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
     },
 }
-WORDS = (
-    "the build step reads a file writes the log and checks every line of output before the next call "
-    "agent tool result shell command make test passes fails retries keeps history notes plan review"
-).split()
+WORDS = [
+    "the",
+    "build",
+    "step",
+    "reads",
+    "a",
+    "file",
+    "writes",
+    "the",
+    "log",
+    "and",
+    "checks",
+    "every",
+    "line",
+    "of",
+    "output",
+    "before",
+    "the",
+    "next",
+    "call",
+    "agent",
+    "tool",
+    "result",
+    "shell",
+    "command",
+    "make",
+    "test",
+    "passes",
+    "fails",
+    "retries",
+    "keeps",
+    "history",
+    "notes",
+    "plan",
+    "review",
+]
 
 
 def _marker(a: int) -> str:
@@ -262,10 +294,9 @@ def _marker(a: int) -> str:
 
 @functools.cache
 def _tokenizer():
-    from transformers import AutoTokenizer
-
     from sglang_l3.testing.hermes_scenario import MODEL
     from sglang_l3.testing.server import model_dir
+    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir(MODEL)))
 
@@ -385,7 +416,6 @@ def chat_run(
     tokens, comes back after a seeded gap. `hints`: session_id on every call and a hint
     of the next speaker (today's best); else no session id, no hint."""
     from openai import OpenAI
-
     from sglang_l3.testing.script_writer import ENV as SCRIPT_ENV
     from sglang_l3.testing.script_writer import read_records, tool_step, write_script
 

@@ -121,7 +121,7 @@ class ModelShape:
     linear_conv_kernel_dim: int
 
     @classmethod
-    def from_config(cls, name: str, text_config: dict[str, Any]) -> "ModelShape":
+    def from_config(cls, name: str, text_config: dict[str, Any]) -> ModelShape:
         """From a config.json's text-backbone fields (`text_config` of a multimodal
         model): e.g. the packaged tiny models (test/unit/test_tiny_models.py checks
         tiny-qwen35 against the Qwen3.5-27B row below)."""

@@ -50,10 +50,10 @@ import shutil
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-
 from sglang_l3.testing import pools
 from sglang_l3.testing.pools import host_kv_pool, host_mamba_pool
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Optional
 
 # Subcommands contributed by subsystems: module with add_parser(subparsers) and run(args) -> int.
 SUBCOMMANDS = (
@@ -52,7 +51,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
     return parser, runners
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser, runners = build_parser()
     args = parser.parse_args(argv)
     if args.command in runners:

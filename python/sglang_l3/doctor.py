@@ -15,7 +15,7 @@ import os
 import platform
 import stat
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from sglang_l3 import SGLANG_PIN, __version__
 
@@ -35,7 +35,7 @@ class Check:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-def _version(dist: str) -> Optional[str]:
+def _version(dist: str) -> str | None:
     try:
         return md.version(dist)
     except md.PackageNotFoundError:
@@ -115,7 +115,7 @@ def store_dir_from_env() -> str:
     return os.path.join(base, "sglang-l3", "store")
 
 
-def check_store_dir(path: Optional[str] = None) -> Check:
+def check_store_dir(path: str | None = None) -> Check:
     """Basic health of the store directory (the storage section adds contents)."""
     path = path or store_dir_from_env()
     data: dict[str, Any] = {"path": path}
@@ -138,7 +138,7 @@ def check_store_dir(path: Optional[str] = None) -> Check:
     return Check("store", ok, detail, data)
 
 
-def check_sections(store_dir: Optional[str]) -> list[Check]:
+def check_sections(store_dir: str | None) -> list[Check]:
     out = []
     for name, modname in SECTIONS:
         try:
@@ -165,7 +165,7 @@ def stats() -> dict[str, Any]:
     return out
 
 
-def run(store_dir: Optional[str] = None, with_stats: bool = False) -> tuple[bool, list[Check]]:
+def run(store_dir: str | None = None, with_stats: bool = False) -> tuple[bool, list[Check]]:
     checks = [check_versions(), check_platform(), check_plugin(), check_patches(), check_store_dir(store_dir)]
     checks += check_sections(store_dir)
     if with_stats:

@@ -23,13 +23,12 @@ import os
 import threading
 import time
 from collections import Counter
-from typing import Optional
 
 _LOCK = threading.Lock()
 _COUNTS: dict[str, int | float] = {}  # not a Counter: values are also float (seconds)
 _PROM: dict[str, object] = {}
 _LAST_PUBLISH = [0.0]
-_TIMER: list[Optional[threading.Timer]] = [None]
+_TIMER: list[threading.Timer | None] = [None]
 PUBLISH_INTERVAL_S = 1.0
 PROM_PREFIX = "sglang_l3_"
 STORE_PREFIX = "store_"
@@ -41,11 +40,11 @@ def stats_dir() -> str:
     return os.environ.get("SGLANG_L3_STATS_DIR") or os.path.join(base, "sglang-l3", "stats")  # envs.VARS
 
 
-def _key(name: str, label: Optional[str]) -> str:
+def _key(name: str, label: str | None) -> str:
     return f"{name}{{{label}}}" if label else name
 
 
-def inc(name: str, label: Optional[str] = None, n: int | float = 1) -> None:
+def inc(name: str, label: str | None = None, n: int | float = 1) -> None:
     with _LOCK:
         k = _key(name, label)
         _COUNTS[k] = _COUNTS.get(k, 0) + n
@@ -53,7 +52,7 @@ def inc(name: str, label: Optional[str] = None, n: int | float = 1) -> None:
     _maybe_publish()
 
 
-def get(name: str, label: Optional[str] = None) -> int | float:
+def get(name: str, label: str | None = None) -> int | float:
     with _LOCK:
         return _COUNTS.get(_key(name, label), 0)
 
@@ -106,7 +105,7 @@ def prometheus_enabled() -> bool:
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
-def _prom_inc(name: str, label: Optional[str], n: int | float) -> None:
+def _prom_inc(name: str, label: str | None, n: int | float) -> None:
     if not prometheus_enabled():
         return
     try:
@@ -127,7 +126,7 @@ def _prom_inc(name: str, label: Optional[str], n: int | float) -> None:
 # --------------------------------------------------------------------------- #
 # Published snapshots (`sglang-l3 doctor --stats`)
 # --------------------------------------------------------------------------- #
-def _start_time(pid: int) -> Optional[float]:
+def _start_time(pid: int) -> float | None:
     """When process `pid` started (None: no such process / unknown)."""
     try:
         import psutil
@@ -187,7 +186,7 @@ def publish_now() -> None:
     _maybe_publish(force=True)
 
 
-def collect_published(exclude_pid: Optional[int] = None) -> dict[str, int | float]:
+def collect_published(exclude_pid: int | None = None) -> dict[str, int | float]:
     """Sum the counters published by live sglang-l3 processes on this machine.
 
     A file is dropped (and removed) when its process has exited or its pid now

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from sglang_l3.testing import hermes
 from sglang_l3.testing import hermes_scenario as scenario
 from sglang_l3.testing.hermes_scenario import CONTEXT, SERVED_NAME, ideal, replay_no_cache, server_config

@@ -32,7 +32,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 from sglang_l3.testing import hermes
 from sglang_l3.testing.hermes_scenario import (
     SERVED_NAME,

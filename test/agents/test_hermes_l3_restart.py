@@ -39,14 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from sglang_l3.testing import hermes
 from sglang_l3.testing.hermes_scenario import (
     CONTEXT,
     POOL_ONE_AGENT,
-    SMALL_POOL_MAX_TOKENS,
     SERVED_NAME,
     SMALL_HOST_RATIO,
+    SMALL_POOL_MAX_TOKENS,
     host_ratio_args,
     last_log_entry,
     notes_text,

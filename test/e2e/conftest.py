@@ -32,19 +32,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
-
 from l3_e2e import (
     CHUNKED_PREFILL,
     LARGE_POOL,
     NEW_TOKENS,
     PAGE_SIZE,
     PREFETCH_THRESHOLD,
+    REFERENCE_SCENARIOS,
     SMALL_POOL,
     STARTUP_TIMEOUT,
-    REFERENCE_SCENARIOS,
     P,
     run_agents,
 )
@@ -85,7 +84,7 @@ class Reference:
 
     def __init__(self, device: str, model: str, root: Path):
         self.device, self.model, self.root = device, model, root
-        self._server: Optional[Server] = None
+        self._server: Server | None = None
         self._answers: dict[tuple[tuple[int, ...], int], Generation] = {}
         self._done: set[Any] = set()
         self._computing = False
@@ -170,8 +169,8 @@ class Cluster:
     root: Path
     store: Path
     expected: Reference
-    first_server: Optional[Server] = None
-    restarted_server: Optional[Server] = None
+    first_server: Server | None = None
+    restarted_server: Server | None = None
     results: dict[str, Any] = field(default_factory=dict)
     _stopped_first: bool = False
     _closed: bool = False

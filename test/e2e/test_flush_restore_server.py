@@ -28,7 +28,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from l3_e2e import CHUNKED_PREFILL, PAGE_SIZE, PREFETCH_THRESHOLD, STARTUP_TIMEOUT
 from sglang_l3.storage.format import parse_page_name
 from sglang_l3.testing.server import Server, ServerConfig, prompt

@@ -19,13 +19,12 @@ in-process: test/integration/test_reanchor.py and test_stale_cow.py.
 from __future__ import annotations
 
 import pytest
-
 from l3_e2e import (
     LONG,
     LONG_LEN,
     NEW_TOKENS,
-    P,
     P_LEN,
+    P,
     assert_same_output,
     family_params,
     reference_scenario,

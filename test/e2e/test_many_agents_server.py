@@ -19,7 +19,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from l3_e2e import STARTUP_TIMEOUT, assert_same_output, family_params, reference_scenario
 from sglang_l3.testing import many_agents
 from sglang_l3.testing.server import Server

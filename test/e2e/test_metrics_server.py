@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from l3_e2e import (
     CHUNKED_PREFILL,
     NEW_TOKENS,

@@ -12,7 +12,6 @@ import shlex
 from pathlib import Path
 
 import pytest
-
 from sglang_l3.plan import models
 from sglang_l3.plan.planner import Inputs, make_plan
 from sglang_l3.testing.server import Server, ServerConfig

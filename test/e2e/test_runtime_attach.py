@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 from l3_e2e import STARTUP_TIMEOUT
-
 from sglang_l3.testing.server import Server, ServerConfig, prompt
 
 pytestmark = pytest.mark.e2e

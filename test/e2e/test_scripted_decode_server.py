@@ -15,14 +15,13 @@ tool results a client would. Checked:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 from l3_e2e import STARTUP_TIMEOUT
-
 from sglang_l3.testing.chat_stream import read_stream
 from sglang_l3.testing.script_writer import ENV, answer_step, read_records, tool_step, write_script
 from sglang_l3.testing.server import Server, ServerConfig, warm_hicache_hash_extension

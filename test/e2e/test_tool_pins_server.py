@@ -11,18 +11,17 @@ server that caches nothing (placement only)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 from l3_e2e import STARTUP_TIMEOUT
-from test_metrics_server import doctor_stats, until
-
 from sglang_l3.testing.chat_stream import read_stream
 from sglang_l3.testing.script_writer import ENV, answer_step, read_records, tool_step, write_script
 from sglang_l3.testing.server import Server, ServerConfig, warm_hicache_hash_extension
+from test_metrics_server import doctor_stats, until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -21,8 +21,7 @@ import sys
 import time
 
 import pytest
-
-from l3_e2e import CHUNKED_PREFILL, P, P_LEN, PAGE_SIZE, PREFETCH_THRESHOLD, STARTUP_TIMEOUT, restorable
+from l3_e2e import CHUNKED_PREFILL, P_LEN, PAGE_SIZE, PREFETCH_THRESHOLD, STARTUP_TIMEOUT, P, restorable
 from sglang_l3.testing.server import Server, ServerConfig, prompt
 
 pytestmark = pytest.mark.e2e

@@ -22,7 +22,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
 import torch  # noqa: E402
-
 from sglang_l3.quant import gptq_ref as R  # noqa: E402
 
 K, N = 512, 320  # N not a multiple of the kernel's BN=64

@@ -11,7 +11,6 @@ import itertools
 
 import pytest
 import torch
-
 from sglang_l3.quant import dispatch
 from sglang_l3.quant import gptq_ref as R
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from sglang_l3.patches import framework
 from sglang_l3.sim.harness import seeds, simulated_device
 

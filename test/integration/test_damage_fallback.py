@@ -39,9 +39,9 @@ import os
 
 import pytest
 from sglang_l3 import metrics
-from sglang_l3.sim import streams as sim_streams
 from sglang_l3.patches.hicache import streamed_restore as sr
 from sglang_l3.patches.hicache.streamed_restore import lane_of
+from sglang_l3.sim import streams as sim_streams
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack, pump
 

@@ -10,7 +10,6 @@ import os
 import time
 
 import pytest
-
 from sglang_l3.testing import speed
 from sglang_l3.testing.stack import HybridSpec, L3Stack
 

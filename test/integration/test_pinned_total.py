@@ -15,9 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
-
 from sglang_l3.patches import framework
-
 from sglang_l3.patches.cli import startup_checks
 from sglang_l3.testing.stack import HybridSpec, L3Stack
 

@@ -10,14 +10,13 @@ rows, host staging) is back to its baseline once requests finish.
 from __future__ import annotations
 
 import pytest
-
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.buffer_mode.pipeline import BufferModePipeline
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector, PoolName
 from sglang_l3 import metrics
+from sglang_l3.patches.hicache.reanchor import ReanchorViolation, record_of
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import HybridSpec, L3Stack
-from sglang_l3.patches.hicache.reanchor import ReanchorViolation, record_of
 
 # Under every simulated-device seed (test/integration/conftest.py); the second seed
 # only at page size 4 (suite time).

@@ -10,7 +10,6 @@ import os
 import sys
 
 import pytest
-
 from sglang_l3.testing.stack import HybridSpec, L3Stack, RestoreFailed
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmark")

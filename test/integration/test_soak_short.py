@@ -5,7 +5,6 @@ path; no invariant violation, no leaked slot, restores actually happen."""
 from __future__ import annotations
 
 import pytest
-
 from sglang_l3.testing.soak import run_soak
 
 

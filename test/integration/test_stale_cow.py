@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sglang_l3 import metrics
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import HybridSpec, L3Stack

@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from sglang_l3.testing.stack import HybridSpec, L3Stack
 from sglang_l3.patches import framework
+from sglang_l3.testing.stack import HybridSpec, L3Stack
 
 PS = 4
 

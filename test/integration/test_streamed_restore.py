@@ -21,9 +21,8 @@ import time
 import pytest
 from sglang_l3 import metrics
 from sglang_l3.patches.hicache.streamed_restore import lane_of
-from streamed_support import back_to_baseline
-
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
+from streamed_support import back_to_baseline
 
 BUFFER = 256  # target host KV pool (tokens); the pool rounds it up to pages
 

@@ -17,12 +17,11 @@ rows R are queued on upstream's load stream behind the forward stream:
 from __future__ import annotations
 
 import pytest
+import sglang_l3.patches.hicache.streamed_restore as sr
+from sglang_l3.patches.hicache.streamed_restore import lane_of
+from sglang_l3.sim import streams as sim_streams
 from streamed_support import back_to_baseline
 from test_streamed_restore import context, make_spec, pump, reader, write
-
-import sglang_l3.patches.hicache.streamed_restore as sr
-from sglang_l3.sim import streams as sim_streams
-from sglang_l3.patches.hicache.streamed_restore import lane_of
 
 pytestmark = pytest.mark.all_seeds()
 

@@ -18,7 +18,6 @@ from sglang_l3 import metrics
 from sglang_l3.patches import framework
 from sglang_l3.patches.hicache import streamed_restore as sr
 from sglang_l3.patches.hicache.streamed_restore import lane_of
-
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack, wait_for_work
 
 PAGE = 64
@@ -243,8 +242,8 @@ def test_watchdog_abandons_once_while_the_stream_aborts(tmp_path, monkeypatch) -
     `aborting` and X1 stays queued (its rows are not back) over many idle passes, each
     past budget + margin: X1 is abandoned, and counted, once. Released, the stream ends,
     X1 recomputes right and every pool is back to its baseline (checked by `_burst`)."""
-    from sglang_l3.sim import streams as sim_streams
     from sglang_l3.patches.hicache import l3_wait_watchdog as wd
+    from sglang_l3.sim import streams as sim_streams
 
     monkeypatch.setenv(wd.MARGIN_ENV, "0.5")
     abandoned: list = []
@@ -325,9 +324,8 @@ def test_watchdog_detect_mode_logs_and_changes_nothing(tmp_path, monkeypatch, ca
     before = metrics.get(wd.OVERDUE), metrics.get(wd.MARK)
     framework.undo("stream-share")
     try:
-        with caplog.at_level(logging.WARNING, logger="sglang_l3.l3_wait_watchdog"):
-            with pytest.raises(_Reported):
-                _burst(tmp_path, "rust", 2, True, after_pass=watch, passes=100_000)
+        with caplog.at_level(logging.WARNING, logger="sglang_l3.l3_wait_watchdog"), pytest.raises(_Reported):
+            _burst(tmp_path, "rust", 2, True, after_pass=watch, passes=100_000)
     finally:
         framework.apply_one(next(s for s in framework.load_series() if s.id == "stream-share"))
     assert reported in (["X2"], ["X1", "X2"]), reported

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 from sglang_l3.patches.sessions import tool_call_turns as patch
 from sglang_l3.patches.sessions.session_api import context_keys, registry_of
+from sglang_l3.sessions.turn_pairs import METHOD
 from sglang_l3.storage.retention import CLOSED, OPEN
 from sglang_l3.storage.sessions import IMPLICIT_PREFIX
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import HybridSpec, L3Stack
-from sglang_l3.sessions.turn_pairs import METHOD
 
 AGENT = f"{IMPLICIT_PREFIX}{1:032x}"
 STRAY = f"{IMPLICIT_PREFIX}{2:032x}"

@@ -17,9 +17,9 @@ from array import array
 import pytest
 from sglang_l3 import metrics
 from sglang_l3.patches.sessions import tool_pins as tp
+from sglang_l3.sessions.pin_book import EXPIRED, METHOD, PIN, RETURNED
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
-from sglang_l3.sessions.pin_book import EXPIRED, METHOD, PIN, RETURNED
 
 KV_ROWS = 1024
 A = list(range(1, 301))

@@ -14,13 +14,11 @@ from __future__ import annotations
 import os
 
 import pytest
-
+import torch
 from sglang_l3 import metrics
+from sglang_l3.metrics import store_counters
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
-from sglang_l3.metrics import store_counters
-
-import torch
 
 # Under every simulated-device seed (test/integration/conftest.py); the second seed
 # only on the Rust tree core (suite time).

@@ -12,7 +12,7 @@ class Greeter:
         return text.upper()
 
     @classmethod
-    def make(cls) -> "Greeter":
+    def make(cls) -> Greeter:
         return cls()
 
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 from sglang_l3.patches import framework
 from sglang_l3.patches.cli import buffer_only as cli_buffer_only

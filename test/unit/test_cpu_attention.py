@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sglang_l3.cpu_serving.attention import BLOCK, sdpa_forward_extend
 
 T, H, HK, D = 1100, 6, 2, 64  # GQA as in the tiny models

@@ -15,7 +15,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from sglang_l3.cpu_serving.linear import BLOCK, compute_lm_head, linear_apply, linear_apply_into, linear_rows
 
 SHAPES = ((128, 256), (256, 128), (128, 1024), (64, 1050), (512, 128))  # (K, N): the tiny models' linears and heads

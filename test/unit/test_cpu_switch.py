@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 import sglang_l3.cpu
 from sglang_l3.patches import framework
 from sglang_l3.patches.cpu import host_pools as cpu_host_pools

@@ -73,7 +73,6 @@ def test_the_parsers_are_qwen35s() -> None:
     from sglang.srt.function_call.function_call_parser import FunctionCallParser
     from sglang.srt.function_call.qwen3_coder_detector import Qwen3CoderDetector
     from sglang.srt.parser.reasoning_parser import ReasoningParser
-
     from sglang_l3.testing.tiny_models import chat_template
 
     assert FunctionCallParser.ToolCallParserEnum["qwen3_coder"] is Qwen3CoderDetector

@@ -6,7 +6,6 @@ while its gate exists, at most HOLD_S."""
 from __future__ import annotations
 
 import pytest
-
 import sglang_l3.cpu
 from sglang_l3 import faults
 from sglang_l3.sim import faults as machinery

@@ -14,7 +14,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from sglang_l3.cpu_serving import conv1d, gdn, ops, weights
 
 H, HV, K, V = 2, 4, 32, 16  # two value heads per qk head; K != V catches transposes

@@ -10,7 +10,6 @@ import logging
 import pytest
 import test_gptq_doubles as doubles
 import torch
-
 from sglang_l3.quant import dispatch
 from sglang_l3.quant import gptq_ref as R
 

@@ -11,7 +11,6 @@ was never run on this GPU and returns garbage. No tests in this module.
 from __future__ import annotations
 
 import torch
-
 from sglang_l3.quant import gptq_ref as R
 
 _LIBS: list[torch.library.Library] = []

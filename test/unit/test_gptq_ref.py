@@ -7,7 +7,6 @@ import itertools
 
 import pytest
 import torch
-
 from sglang_l3.quant import gptq_ref as R
 
 BITS = (2, 3, 4, 8)

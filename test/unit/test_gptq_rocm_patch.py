@@ -12,12 +12,11 @@ from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
-import torch
-
 import sglang.srt.configs.model_config as model_config
 import sglang.srt.layers.quantization as quant
 import sglang.srt.layers.quantization.marlin_utils as marlin_utils
 import sglang.srt.utils as sgl_utils
+import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.quantization.gptq import GPTQConfig, GPTQMarlinConfig
 from sglang.srt.layers.quantization.utils import override_config

@@ -42,7 +42,6 @@ def _child(out_path: str) -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import test_gptq_doubles as doubles
-
     from sglang_l3.quant import dispatch
     from sglang_l3.quant import gptq_ref as R
     from sglang_l3.quant import gptq_triton as T

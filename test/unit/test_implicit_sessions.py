@@ -76,7 +76,7 @@ def test_the_next_call_continues_when_the_template_rerenders_the_inputs_last_tok
     # the whole generation prompt, is still another session: the end point keeps the user's words
     b = _Turn(t, SYSTEM + _toks(2, 36) + [9] + GEN, _toks(6, 20), page)
     assert page == 16 or (not b.continued and b.sid != a1.sid)
-    assert INPUT_TAIL < len(GEN) - 2
+    assert len(GEN) - 2 > INPUT_TAIL
 
 
 def test_a_prompt_that_diverges_inside_the_earlier_input_starts_a_session():

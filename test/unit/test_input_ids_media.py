@@ -20,7 +20,6 @@ import torch
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.multimodal.processors.base_processor import BaseMultimodalProcessor
-
 from sglang_l3.patches import framework
 
 VOCAB = 1000

@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-
 from sglang_l3 import metrics
 
 

@@ -11,23 +11,23 @@ from __future__ import annotations
 
 import os
 import pickle
-from array import array
 import subprocess
 import sys
+from array import array
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.lora.lora_registry import LoRARef
+from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, Req
 from sglang.srt.mem_cache.utils import storage_namespace_seed
 from sglang.srt.multimodal.cache.identity import resolve_multimodal_item_hash
 from sglang.srt.sampling.sampling_params import SamplingParams
-
 from sglang_l3.live_config import l3_attached
 from sglang_l3.patches import framework
+from sglang_l3.patches.serving.lora_key_namespace import client_key, namespace_extra_key
 from sglang_l3.patches.serving.mm_page_keys import (
     REFUSAL,
     check_request,
@@ -36,7 +36,6 @@ from sglang_l3.patches.serving.mm_page_keys import (
     identity_key_in,
     supplied,
 )
-from sglang_l3.patches.serving.lora_key_namespace import client_key, namespace_extra_key
 
 
 def _spec(pid: str) -> framework.PatchSpec:
@@ -54,9 +53,8 @@ def _transposed_pair() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
     """(pixel_values, grid) of the two images, from the packaged tiny Qwen3.5's own
     image processor."""
     from PIL import Image
-    from transformers import AutoImageProcessor
-
     from sglang_l3.testing.server import model_dir
+    from transformers import AutoImageProcessor
 
     proc = AutoImageProcessor.from_pretrained(str(model_dir("tiny-qwen35")))
     rng = np.random.default_rng(7)

@@ -6,9 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import fake_patch_target as fpt
+import pytest
 from sglang_l3.patches import framework
 from sglang_l3.patches.framework import PatchError, PatchSpec, State, TargetSpec
 

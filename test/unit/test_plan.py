@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from sglang_l3.plan import models, weights
 from sglang_l3.plan.geometry import Geometry
 from sglang_l3.plan.planner import (
@@ -190,7 +189,7 @@ def test_constants_are_upstreams() -> None:
     from sglang.srt.mem_cache.pool_host.base import HICACHE_HOST_MEMORY_RESERVE_BYTES
 
     ratio = MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO + get_mamba_tracking_slots(extra_buffer=True, overlap=True)
-    assert MAMBA_SLOTS_PER_REQUEST == ratio
+    assert ratio == MAMBA_SLOTS_PER_REQUEST
     assert HOST_RESERVE_BYTES == HICACHE_HOST_MEMORY_RESERVE_BYTES
 
 
@@ -241,7 +240,6 @@ def test_printed_launch_command_parses() -> None:
     import shlex
 
     from sglang.srt.server_args import ServerArgs
-
     from sglang_l3.plan.render import launch_command
 
     p = make_plan(_inputs(weights_bytes=8 * GiB))

@@ -27,7 +27,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from sglang_l3.cpu_serving import ops
 
 DTYPES = ("float32", "bfloat16", "float16")

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from sglang_l3.cpu_serving.decode_script import ScriptError, load, parse, tool_results_since_query
 from sglang_l3.testing.script_writer import answer_step, read_records, tool_step, write_script
 from sglang_l3.testing.server import MODELS_DIR

@@ -11,7 +11,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from sglang_l3.patches import framework
 
 ROOT = Path(__file__).resolve().parents[2]

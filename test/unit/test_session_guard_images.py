@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, Req
 from sglang.srt.sampling.sampling_params import SamplingParams
-
 from sglang_l3.patches.sessions import session_guard
 
 

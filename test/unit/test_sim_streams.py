@@ -9,7 +9,6 @@ import threading
 
 import pytest
 import torch
-
 from sglang_l3.sim import streams as sim
 
 
@@ -255,8 +254,8 @@ def test_held_acks_lag_until_released_a_sync_still_runs(dev) -> None:
 
 def test_simulated_device_queues_host_pool_transfers() -> None:
     """Through the patch: a host-pool load on a side stream is queued, runs at sync."""
-    from sglang_l3.sim.harness import simulated_device
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang_l3.sim.harness import simulated_device
 
     plain = MHATokenToKVPoolHost.load_to_device_per_layer
     with simulated_device(5):

@@ -9,7 +9,6 @@ import subprocess
 
 import pytest
 import torch
-
 from test_store_support import fill_random, keys, make_kv_pool, make_store, page_bytes, page_files, zero
 
 

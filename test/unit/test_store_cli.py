@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from sglang_l3.storage import cli, doctor, index
 from sglang_l3.storage.config import StoreSettings
 from sglang_l3.storage.format import header_len_for

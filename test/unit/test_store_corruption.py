@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 import torch
-
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+from sglang_l3.storage.format import header_len_for
 from test_store_support import (
     fill_random,
     keys,
@@ -20,9 +21,6 @@ from test_store_support import (
     quarantine_files,
     zero,
 )
-
-from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
-from sglang_l3.storage.format import header_len_for
 
 
 def _idx(n, ps, start=0):

@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from sglang_l3.storage.config import StoreSettings
 from sglang_l3.storage.identity import ModelIdentity, PoolLayout, Shard
 from sglang_l3.storage.store import PageStore, ReadItem
@@ -95,8 +94,8 @@ def test_a_live_writers_tmp_files_survive_another_ranks_start_up(tmp_path):
 def test_torn_page_after_power_loss_is_a_miss(tmp_path):
     """Without fsync a crash can leave a renamed page whose blocks never hit
     the disk (zeros): the checksum catches it."""
-    from sglang_l3.storage.store import WriteItem
     from sglang_l3.storage.format import header_len_for
+    from sglang_l3.storage.store import WriteItem
 
     st, spec = _open(tmp_path)
     key = hashlib.sha256(b"x").hexdigest()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import struct
 
 import pytest
-
 from sglang_l3.storage.config import ConfigError, StoreSettings, parse_size
 from sglang_l3.storage.format import (
     ALIGN,

@@ -4,10 +4,8 @@ the patch falls back to upstream's HiCacheFile."""
 from __future__ import annotations
 
 import pytest
-
-from test_store_support import storage_config
-
 from sglang_l3.patches import framework
+from test_store_support import storage_config
 
 
 def _spec():

@@ -7,7 +7,14 @@ import os
 
 import pytest
 import torch
-
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
+from sglang_l3.storage.format import decode_header, header_len_for
 from test_store_support import (
     fill_random,
     keys,
@@ -18,15 +25,6 @@ from test_store_support import (
     page_files,
     zero,
 )
-
-from sglang.srt.mem_cache.hicache_storage import (
-    HiCacheStorage,
-    HiCacheStorageExtraInfo,
-    PoolHitPolicy,
-    PoolName,
-    PoolTransfer,
-)
-from sglang_l3.storage.format import decode_header, header_len_for
 
 
 def _idx(pages, page_size, start_page=0):
@@ -258,9 +256,10 @@ def test_io_modes_round_trip(tmp_path, durability, odirect):
 def test_direct_io_used_when_host_memory_is_aligned(tmp_path):
     """O_DIRECT needs 4 KiB-aligned buffers: page-aligned host memory takes it."""
     import mmap
+
+    from sglang_l3.storage.config import StoreSettings
     from sglang_l3.storage.identity import ModelIdentity, PoolLayout, Shard
     from sglang_l3.storage.store import PageStore, ReadItem, WriteItem
-    from sglang_l3.storage.config import StoreSettings
 
     ps = PageStore(StoreSettings(root=tmp_path, min_free="0", odirect="on"), ModelIdentity(model="m"), Shard())
     if not ps.odirect:

@@ -7,7 +7,6 @@ import os
 import stat
 
 import pytest
-
 from sglang_l3.storage.config import StoreSettings, default_store_dir
 from sglang_l3.storage.identity import ModelIdentity, Shard
 from sglang_l3.storage.safety import UnsafeStoreError, ensure_store_dir, valid_key

@@ -9,7 +9,6 @@ import os
 from typing import Any
 
 import torch
-
 from sglang_l3.testing.pools import host_kv_pool, host_mamba_pool, register_pools, storage_config
 
 __all__ = ["storage_config"]  # re-exported: test_store_patch imports it from here

@@ -7,7 +7,6 @@ from collections import namedtuple
 import psutil
 import pytest
 import torch
-
 from sglang_l3.testing.pools import host_kv_pool, host_mamba_pool
 
 GiB = 1 << 30

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from sglang_l3.testing import tiny_models
 from sglang_l3.testing.server import (
     MODELS_DIR,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 from sglang_l3.sessions import pin_book
-from sglang_l3.sessions.return_prediction import MIN_GAPS
 from sglang_l3.sessions.pin_book import MAX_PINS, PinBook
+from sglang_l3.sessions.return_prediction import MIN_GAPS
 
 
 class Clock:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sglang_l3.cpu import transfer_ops as ops
 
 LAYERS, HEADS, DIM = 3, 2, 8

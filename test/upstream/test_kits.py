@@ -11,7 +11,6 @@ from array import array
 
 import kit_shims  # noqa: F401  (before any kit use)
 import torch
-
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, EvictParams
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.test.kits.unified_radix_cache.config import define_config_test_classes, requires_hicache

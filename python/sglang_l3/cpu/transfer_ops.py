@@ -8,7 +8,7 @@ host they are injected by `sglang_l3.cpu.enable()`.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -19,8 +19,6 @@ keys past the sequence are zero and masked (their weight is exactly 0).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -37,7 +35,7 @@ def causal_extend_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     prefix_len: int,
-    scale: Optional[float],
+    scale: float | None,
     enable_gqa: bool,
 ) -> torch.Tensor:
     """query [n, H, D]: the rows prefix_len .. prefix_len+n-1; key [prefix_len+n, Hk, D]
@@ -84,12 +82,12 @@ def sdpa_forward_extend(
     seq_lens: torch.Tensor,
     extend_prefix_lens: torch.Tensor,
     extend_seq_lens: torch.Tensor,
-    encoder_lens: Optional[torch.Tensor] = None,
+    encoder_lens: torch.Tensor | None = None,
     scaling=None,
     enable_gqa: bool = False,
     causal: bool = False,
     is_cross_attn: bool = False,
-    sliding_window_size: Optional[int] = None,
+    sliding_window_size: int | None = None,
 ):
     """AROUND TorchNativeAttnBackend._run_sdpa_forward_extend: plain causal
     self-attention goes through causal_extend_attention; encoder, cross-attention,

@@ -11,8 +11,6 @@ window: prefill in one piece, in chunks, or as decode steps gives the same bits.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -39,7 +37,7 @@ def _activate(y: torch.Tensor, activation) -> torch.Tensor:
     return F.silu(padded)[..., :dim].transpose(-1, -2)
 
 
-def _conv(full: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], n: int):
+def _conv(full: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int):
     """full [dim, W-1+n] fp32 -> [dim, n] fp32 (before the activation)."""
     W = weight.shape[1]
     y = full[:, 0:n] * weight[:, 0:1]
@@ -53,13 +51,13 @@ def _conv(full: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
 def causal_conv1d_fn(
     x: torch.Tensor,
     weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
     conv_states: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens_cpu=None,
-    cache_indices: Optional[torch.Tensor] = None,
-    has_initial_state: Optional[torch.Tensor] = None,
-    activation: Optional[str] = "silu",
+    cache_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    activation: str | None = "silu",
     pad_slot_id: int = PAD_SLOT_ID,
     **kwargs,
 ) -> torch.Tensor:
@@ -94,10 +92,10 @@ def causal_conv1d_update(
     x: torch.Tensor,
     conv_state: torch.Tensor,
     weight: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
     activation=None,
-    cache_seqlens: Optional[torch.Tensor] = None,
-    conv_state_indices: Optional[torch.Tensor] = None,
+    cache_seqlens: torch.Tensor | None = None,
+    conv_state_indices: torch.Tensor | None = None,
     pad_slot_id: int = PAD_SLOT_ID,
     **kwargs,
 ) -> torch.Tensor:

@@ -25,8 +25,6 @@ then prefill the rest" give identical bits. Decode is the plain recurrence.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
-
 import torch
 
 CHUNK_SIZE = 64  # FLA's chunk size; hybrid_linear_attn_backend indexes `h` with it
@@ -42,7 +40,7 @@ def gdn_gating(
     dt_bias: torch.Tensor,
     beta: float = 1.0,
     threshold: float = 20.0,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Port of `fused_gdn_gating`: a, b [T, HV] -> g, beta each [1, T, HV] fp32.
 
     Like the Triton kernel, beta is rounded through b's dtype before it is
@@ -84,9 +82,9 @@ def _chunked_sequence(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    chunk_states: Optional[List[torch.Tensor]],
+    chunk_states: list[torch.Tensor] | None,
     chunk_size: int = CHUNK_SIZE,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence. q, k [T, HV, K], v [T, HV, V], g, beta [T, HV] (all fp32,
     q/k prepared); state [HV, V, K] fp32. Returns (o [T, HV, V], final state).
     Appends the state at the start of each chunk to `chunk_states`."""
@@ -136,11 +134,11 @@ def chunk_gated_delta_rule(
     initial_state: torch.Tensor,
     initial_state_indices: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = True,
     inplace_update: bool = True,
     chunk_size: int = CHUNK_SIZE,
-) -> Tuple[torch.Tensor, None, Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, None, torch.Tensor | None]:
     """Varlen prefill. q, k [1, T, H, K]; v [1, T, HV, V]; g, beta [1, T, HV];
     initial_state: the state pool [slots, HV, V, K], read at and (inplace_update)
     written to `initial_state_indices`; a negative index is a padding row.
@@ -153,7 +151,7 @@ def chunk_gated_delta_rule(
     o = q.new_empty(1, T, HV, V)
     bounds = cu_seqlens.tolist()
     slots = initial_state_indices.tolist()
-    hs: List[torch.Tensor] = []
+    hs: list[torch.Tensor] = []
     for i in range(len(bounds) - 1):
         s, e = int(bounds[i]), int(bounds[i + 1])
         n = e - s
@@ -196,7 +194,7 @@ def recurrent_gated_delta_rule(
     initial_state: torch.Tensor,
     initial_state_indices: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = True,
     disable_state_update: bool = False,
 ) -> torch.Tensor:
@@ -259,7 +257,7 @@ def sigmoid_gating_delta_rule_update(
     initial_state_source: torch.Tensor,
     initial_state_indices: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = True,
     softplus_beta: float = 1.0,
     softplus_threshold: float = 20.0,

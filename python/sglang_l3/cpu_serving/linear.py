@@ -21,7 +21,7 @@ matmul; ATen's own bf16 GEMM (mkldnn off) is also invariant but ~60x slower.
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 BLOCK = 64  # rows per matmul call: one oneDNN kernel choice for every batch
 
 
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), each row computed independently of the others:
     x [..., K], weight [N, K] -> [..., N]."""
     lead, k = x.shape[:-1], x.shape[-1]
@@ -47,11 +47,11 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return out[:m].reshape(*lead, weight.shape[0])
 
 
-def _on_cpu(*tensors: Optional[torch.Tensor]) -> bool:
+def _on_cpu(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or t.device.type == "cpu" for t in tensors)
 
 
-def linear_apply(original, self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None):
+def linear_apply(original, self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None):
     """AROUND UnquantizedLinearMethod.apply: the plain F.linear path, row-invariant
     on CPU; anything else (packed AMX weights, accelerators) is upstream's."""
     weight = getattr(layer, "weight", None)
@@ -71,7 +71,7 @@ def linear_apply_into(
     layer: torch.nn.Module,
     x: torch.Tensor,
     output: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
 ):
     """AROUND UnquantizedLinearMethod.apply_into (caller-owned output): the same."""
     weight = getattr(layer, "weight", None)
@@ -120,7 +120,7 @@ class _RowsFunctional:
         return getattr(F, name)
 
     @staticmethod
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if _on_cpu(x, weight, bias) and weight.dim() == 2:
             return linear_rows(x, weight, bias)
         return F.linear(x, weight, bias)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -11,8 +9,8 @@ import torch.nn.functional as F
 def rms_norm_gated(
     x: torch.Tensor,
     gate: torch.Tensor,
-    weight: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor] = None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
     activation: str = "swish",
     eps: float = 1e-6,
 ) -> torch.Tensor:
@@ -154,10 +152,10 @@ def _gate_activation(y: torch.Tensor, z: torch.Tensor, activation: str) -> torch
 def layernorm_gated_rms(
     x: torch.Tensor,
     weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    z: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None,
+    z: torch.Tensor | None = None,
     eps: float = 1e-6,
-    group_size: Optional[int] = None,
+    group_size: int | None = None,
     norm_before_gate: bool = True,
     activation: str = "swish",
 ) -> torch.Tensor:

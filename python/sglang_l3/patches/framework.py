@@ -20,9 +20,10 @@ import pkgutil
 import textwrap
 import threading
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from sglang_l3 import envs
 
@@ -364,7 +365,7 @@ def check_spec(spec: PatchSpec) -> dict[str, tuple[str, str]]:
     return drift
 
 
-def _apply_required(spec: PatchSpec, series: Optional[list[PatchSpec]]) -> Optional[str]:
+def _apply_required(spec: PatchSpec, series: list[PatchSpec] | None) -> str | None:
     """Apply `spec.requires` in order; None when all are applied, else why not."""
     if not spec.requires:
         return None
@@ -379,7 +380,7 @@ def _apply_required(spec: PatchSpec, series: Optional[list[PatchSpec]]) -> Optio
     return None
 
 
-def apply_one(spec: PatchSpec, series: Optional[list[PatchSpec]] = None) -> PatchStatus:
+def apply_one(spec: PatchSpec, series: list[PatchSpec] | None = None) -> PatchStatus:
     """Verify and apply one patch (its `requires` first). Idempotent per process."""
     with _LOCK:
         status = _STATUS.get(spec.id)
@@ -459,7 +460,7 @@ def _undo_later_on_shared_targets(spec: PatchSpec, order: list[PatchSpec]) -> li
     return sorted(specs, key=lambda s: pos.get(s.id, len(pos)))
 
 
-def apply_all(specs: Optional[list[PatchSpec]] = None, *, strict: bool = True) -> list[PatchStatus]:
+def apply_all(specs: list[PatchSpec] | None = None, *, strict: bool = True) -> list[PatchStatus]:
     """Apply every patch in series order. strict: re-raise the first failure."""
     out: list[PatchStatus] = []
     series = specs if specs is not None else load_series()
@@ -517,7 +518,7 @@ def status() -> dict[str, PatchStatus]:
     return dict(_STATUS)
 
 
-def get_status(patch_id: str) -> Optional[PatchStatus]:
+def get_status(patch_id: str) -> PatchStatus | None:
     return _STATUS.get(patch_id)
 
 

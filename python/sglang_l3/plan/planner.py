@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from sglang_l3.plan import weights as weights_mod
 from sglang_l3.plan.geometry import ConfigError, Geometry
@@ -72,10 +72,10 @@ class Inputs:
     context: int = 262144
     page_size: int = 64
     checkpoint_interval: int = 8192
-    host_buffer_tokens: Optional[int] = None  # None: a quarter of a context
+    host_buffer_tokens: int | None = None  # None: a quarter of a context
     kv_dtype_bytes: int = 2
-    weights_bytes: Optional[int] = None  # None: estimated from the config
-    prefill_tps: Optional[float] = None
+    weights_bytes: int | None = None  # None: estimated from the config
+    prefill_tps: float | None = None
     gpu: str = "rx7900xtx"
     mfu: float = 0.3
     store_dir: str = "/mnt/nvme/sglang-l3"
@@ -118,7 +118,7 @@ class Plan:
     restore_disk_s: float
     restore_h2d_s: float
     restore_s: float
-    recompute_s: Optional[float]
+    recompute_s: float | None
     recompute_source: str
     disk_read_gbps: float
     disk_source: str
@@ -248,7 +248,7 @@ def make_plan(i: Inputs) -> Plan:
     disk_s = i.tp * read / (i.disk_read_gbps * 1e9)
     h2d_s = read / (i.link_gbps * 1e9)
     if i.prefill_tps:
-        recompute: Optional[float] = ctx / i.prefill_tps
+        recompute: float | None = ctx / i.prefill_tps
         source = f"given: {i.prefill_tps:.0f} tokens/s"
     elif i.gpu in GPU_TFLOPS:
         flops = weights_mod.prefill_flops(params, g, ctx) / i.tp

@@ -23,9 +23,10 @@ import logging
 import os
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ class Prepared:
 class DeviceInfo:
     type: str  # torch device type of the weights
     hip: bool
-    arch: Optional[str]  # "gfx1100" (without feature suffixes) on ROCm, else None
+    arch: str | None  # "gfx1100" (without feature suffixes) on ROCm, else None
 
 
 def device_info(device: torch.device) -> DeviceInfo:
@@ -72,8 +73,8 @@ class PackedLayer:
     qweight: torch.Tensor  # int32 [K*bits/32, N]
     qzeros: torch.Tensor  # int32 [G, N*bits/32]
     scales: torch.Tensor  # [G, N], activation dtype
-    g_idx: Optional[torch.Tensor]  # None: group of row k is k // group_size
-    perm: Optional[torch.Tensor]  # act-order input permutation (x[:, perm]), or None
+    g_idx: torch.Tensor | None  # None: group of row k is k // group_size
+    perm: torch.Tensor | None  # act-order input permutation (x[:, perm]), or None
     bits: int
     group_size: int  # effective, > 0 (K when channel-wise)
     fmt: ZeroFormat
@@ -96,7 +97,7 @@ class Checkpoint:
     qweight: torch.Tensor
     qzeros: torch.Tensor
     scales: torch.Tensor
-    g_idx: Optional[torch.Tensor]
+    g_idx: torch.Tensor | None
 
 
 # --------------------------------------------------------------------------- #
@@ -106,7 +107,7 @@ class GemmKernel(ABC):
     name: str
 
     @abstractmethod
-    def unavailable(self, layer: PackedLayer, dtype: torch.dtype, dev: DeviceInfo) -> Optional[str]:
+    def unavailable(self, layer: PackedLayer, dtype: torch.dtype, dev: DeviceInfo) -> str | None:
         """None when the kernel can serve this layer, else the reason it cannot."""
 
     @abstractmethod
@@ -207,7 +208,7 @@ class NativeOp:
         return self.fn(*[value[r] for _, r in self.roles])
 
 
-def probe_schema(qualname: str, fn: Any) -> tuple[Optional[NativeOp], Optional[str]]:
+def probe_schema(qualname: str, fn: Any) -> tuple[NativeOp | None, str | None]:
     """Map an op's schema onto GPTQ GEMM roles by argument name (the signature of
     gptq_gemm_rdna3 changed across vLLM versions). Unknown arguments: refused."""
     try:
@@ -230,7 +231,7 @@ def probe_schema(qualname: str, fn: Any) -> tuple[Optional[NativeOp], Optional[s
     return NativeOp(qualname, str(schema), tuple(roles), fn), None
 
 
-def lookup_op(namespace: str, name: str) -> Optional[Any]:
+def lookup_op(namespace: str, name: str) -> Any | None:
     try:
         return getattr(getattr(torch.ops, namespace), name)
     except (AttributeError, RuntimeError):
@@ -239,9 +240,9 @@ def lookup_op(namespace: str, name: str) -> Optional[Any]:
 
 @dataclass
 class NativeDiscovery:
-    rdna3: list[tuple[NativeOp, Optional[NativeOp]]] = field(default_factory=list)  # (op, wmma op)
-    sgl_gemm: Optional[NativeOp] = None
-    sgl_shuffle: Optional[Any] = None
+    rdna3: list[tuple[NativeOp, NativeOp | None]] = field(default_factory=list)  # (op, wmma op)
+    sgl_gemm: NativeOp | None = None
+    sgl_shuffle: Any | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -336,7 +337,7 @@ def installed() -> NativeDiscovery:
 class NativeRdna3Kernel(GemmKernel):
     """vLLM's RDNA3 W4A16 op: ExLlama-shuffled 4-bit weights, zeros as stored."""
 
-    def __init__(self, op: NativeOp, wmma: Optional[NativeOp] = None):
+    def __init__(self, op: NativeOp, wmma: NativeOp | None = None):
         self.op, self.wmma = op, wmma
         self.name = f"native:{op.qualname}" + ("+wmma" if wmma else "")
 
@@ -379,7 +380,7 @@ class NativeRdna3Kernel(GemmKernel):
 class SglKernelGemm(GemmKernel):
     """sgl_kernel::gptq_gemm(a, q, zeros, scales, g_idx, use_shuffle, bit): fp16, v1 zeros."""
 
-    def __init__(self, op: NativeOp, shuffle: Optional[Any]):
+    def __init__(self, op: NativeOp, shuffle: Any | None):
         self.op, self.shuffle = op, shuffle
         self.name = f"native:{op.qualname}"
 
@@ -416,7 +417,7 @@ class SglKernelGemm(GemmKernel):
         )
 
 
-def candidates(found: Optional[NativeDiscovery] = None) -> list[GemmKernel]:
+def candidates(found: NativeDiscovery | None = None) -> list[GemmKernel]:
     found = installed() if found is None else found
     out: list[GemmKernel] = [NativeRdna3Kernel(op, w) for op, w in found.rdna3]
     if found.sgl_gemm is not None:
@@ -463,7 +464,7 @@ def pack_layer(
 class LayerGemm:
     """The callable a layer uses at run time: permute x (act-order), run the kernel."""
 
-    def __init__(self, runner: Runner, perm: Optional[torch.Tensor], n: int, kernel: str):
+    def __init__(self, runner: Runner, perm: torch.Tensor | None, n: int, kernel: str):
         self.runner, self.perm, self.n, self.kernel = runner, perm, n, kernel
         if perm is not None:
             self.perm = perm.to(torch.int64)
@@ -542,8 +543,8 @@ def select(
     declared: ZeroFormat,
     dtype: torch.dtype,
     prefix: str = "",
-    dev: Optional[DeviceInfo] = None,
-    kernels: Optional[Sequence[GemmKernel]] = None,
+    dev: DeviceInfo | None = None,
+    kernels: Sequence[GemmKernel] | None = None,
 ) -> Selection:
     """Choose and verify the kernel for one layer. Raises if none reproduces the reference."""
     dev = dev or device_info(ck.qweight.device)
@@ -623,8 +624,8 @@ def plan(
     symmetric: bool = True,
     K: int = 4096,
     N: int = 4096,
-    kernels: Optional[Sequence[GemmKernel]] = None,
-) -> list[tuple[str, Optional[str]]]:
+    kernels: Sequence[GemmKernel] | None = None,
+) -> list[tuple[str, str | None]]:
     """Which kernels could serve a typical layer of this kind, and why the others
     cannot (no weights, no self-check: the doctor's view)."""
     layer = PackedLayer(

@@ -10,7 +10,7 @@ inside a serving process.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -23,7 +23,7 @@ def _short(dtype: torch.dtype) -> str:
     return {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
 
-def report(dev: Optional[Any] = None) -> dict:
+def report(dev: Any | None = None) -> dict:
     """{"ok": bool, "lines": [...], "data": {...}}. `dev` (a dispatch.DeviceInfo)
     overrides the detected device (tests simulate gfx1100 with it)."""
     from sglang_l3.quant.platform import not_applicable_reason

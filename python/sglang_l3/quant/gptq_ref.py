@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
@@ -56,7 +56,7 @@ def pack_rows(vals: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
-def unpack_rows(packed: torch.Tensor, bits: int, rows: Optional[int] = None) -> torch.Tensor:
+def unpack_rows(packed: torch.Tensor, bits: int, rows: int | None = None) -> torch.Tensor:
     """int32 [R*bits/32, C] -> int32 [R, C]."""
     _check_bits(bits)
     P, W = _period(bits)
@@ -78,11 +78,11 @@ def pack_cols(vals: torch.Tensor, bits: int) -> torch.Tensor:
     return pack_rows(vals.t(), bits).t().contiguous()
 
 
-def unpack_cols(packed: torch.Tensor, bits: int, cols: Optional[int] = None) -> torch.Tensor:
+def unpack_cols(packed: torch.Tensor, bits: int, cols: int | None = None) -> torch.Tensor:
     return unpack_rows(packed.t(), bits, cols).t().contiguous()
 
 
-def zero_points(qzeros: torch.Tensor, bits: int, fmt: ZeroFormat, cols: Optional[int] = None) -> torch.Tensor:
+def zero_points(qzeros: torch.Tensor, bits: int, fmt: ZeroFormat, cols: int | None = None) -> torch.Tensor:
     """Real zero points int32 [G, N] from stored qzeros."""
     z = unpack_cols(qzeros, bits, cols)
     return z + 1 if fmt == "v1" else z
@@ -152,8 +152,8 @@ def dequantize(
     bits: int,
     fmt: ZeroFormat,
     *,
-    cols: Optional[torch.Tensor] = None,
-    dtype: Optional[torch.dtype] = None,
+    cols: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """[K, N] (or [K, len(cols)]) weights. dtype=None: fp32 (exact for the check);
     otherwise the product is formed in fp32 and rounded once to dtype."""
@@ -169,7 +169,7 @@ def dequantize(
 
 
 def reference_matmul(
-    x: torch.Tensor, qweight, qzeros, scales, g_idx, bits: int, fmt: ZeroFormat, cols: Optional[torch.Tensor] = None
+    x: torch.Tensor, qweight, qzeros, scales, g_idx, bits: int, fmt: ZeroFormat, cols: torch.Tensor | None = None
 ) -> torch.Tensor:
     """fp32 x @ W: the ground truth every kernel is compared with."""
     return x.float() @ dequantize(qweight, qzeros, scales, g_idx, bits, fmt, cols=cols)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
@@ -184,12 +183,12 @@ def gptq_gemm(
     qweight: torch.Tensor,
     qzeros: torch.Tensor,
     scales: torch.Tensor,
-    g_idx: Optional[torch.Tensor],
+    g_idx: torch.Tensor | None,
     bits: int,
     group_size: int,
     fmt: str,
     *,
-    config: Optional[LaunchConfig] = None,
+    config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ GPTQ weights. g_idx=None: groups are k // group_size.
     group_size <= 0 means one group over K. CPU tensors run in the interpreter."""

@@ -3,8 +3,6 @@ section (which must not import patches/)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 def on_hip() -> bool:
     from sglang.srt import utils  # looked up per call: tests simulate HIP by patching it
@@ -12,7 +10,7 @@ def on_hip() -> bool:
     return bool(utils.is_hip())
 
 
-def not_applicable_reason() -> Optional[str]:
+def not_applicable_reason() -> str | None:
     """None where the patch applies, else why not."""
     if not on_hip():
         return "not ROCm (torch.version.hip is None)"

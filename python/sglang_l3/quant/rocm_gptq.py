@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from fractions import Fraction
-from typing import Any, Optional, cast
+from typing import Any, cast
 
 import torch
 from sglang.srt.layers.quantization.gptq import GPTQConfig, GPTQLinearMethod
@@ -38,7 +38,7 @@ class RocmGPTQConfig(GPTQConfig):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.is_sym: Optional[bool] = None
+        self.is_sym: bool | None = None
         self.full_config: dict[str, Any] = {}
 
     # override_config() assigns `32 // bits` to this attribute for every layer it
@@ -60,7 +60,7 @@ class RocmGPTQConfig(GPTQConfig):
         return [torch.half, torch.bfloat16]
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "RocmGPTQConfig":
+    def from_config(cls, config: dict[str, Any]) -> RocmGPTQConfig:
         cfg = super().from_config(config)
         assert isinstance(cfg, RocmGPTQConfig)
         cfg.is_sym = config.get("sym")
@@ -94,7 +94,7 @@ class RocmGPTQConfig(GPTQConfig):
 # --------------------------------------------------------------------------- #
 # MoE: delegate to upstream's moe_wna16 (Triton fused MoE, works on ROCm)
 # --------------------------------------------------------------------------- #
-def moe_wna16_unsupported(cfg: RocmGPTQConfig, hidden: Optional[int], inter: Optional[int]) -> Optional[str]:
+def moe_wna16_unsupported(cfg: RocmGPTQConfig, hidden: int | None, inter: int | None) -> str | None:
     """Why moe_wna16 cannot run this GPTQ MoE layer correctly (None: it can)."""
     if cfg.weight_bits not in (4, 8):
         return f"bits={cfg.weight_bits} (moe_wna16 supports 4 and 8)"
@@ -157,7 +157,7 @@ class RocmGPTQLinearScheme(GPTQLinearScheme):
         self.prefix = prefix
         super().__init__(quant_config)
 
-    def _init_kernel(self, quant_config: GPTQConfig) -> "_DispatchedKernel":
+    def _init_kernel(self, quant_config: GPTQConfig) -> _DispatchedKernel:
         return _DispatchedKernel(quant_config, self)
 
 
@@ -169,7 +169,7 @@ class _DispatchedKernel:
     def __init__(self, quant_config: GPTQConfig, scheme: RocmGPTQLinearScheme) -> None:
         self.config = quant_config
         self.scheme = scheme
-        self.selection: Optional[dispatch.Selection] = None
+        self.selection: dispatch.Selection | None = None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         cfg = self.config
@@ -208,7 +208,7 @@ class _DispatchedKernel:
         for name, t in sel.tensors.items():
             layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.selection is None:
             raise RuntimeError(f"GPTQ layer {self.scheme.prefix!r} used before its weights were processed")
         out = self.selection.gemm(x)

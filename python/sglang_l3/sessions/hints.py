@@ -113,7 +113,7 @@ class HintBook:
             metrics.inc("session_hints", "joined_by_request")
             try:
                 await asyncio.wait_for(h.done.wait(), JOIN_TIMEOUT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 logger.warning(
                     "sglang-l3 hint %s still staging after %.0f s; request proceeds",
                     h.id,

@@ -31,7 +31,8 @@ import contextlib
 import random
 import threading
 from collections import deque
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -58,12 +59,12 @@ class _Device:
         self.polls = 0  # Event.query() calls on pending events
         self.lagged = 0  # ... that returned False
         self.device_reads = 0  # device->host reads of device memory by a host thread (device_read)
-        self.error: Optional[BaseException] = None  # first failure on the device thread
+        self.error: BaseException | None = None  # first failure on the device thread
         # index tensors snapshotted at issue, by id: (tensor, version, snapshot); one piece's
         # indices go to every layer's launch, and an unchanged tensor needs no new copy
         self.snapshots: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self.stop = False
-        self.worker: Optional[threading.Thread] = None
+        self.worker: threading.Thread | None = None
         if threaded:
             self.worker = threading.Thread(target=self._work, name="sim-device", daemon=True)
             self.worker.start()
@@ -95,7 +96,7 @@ class _Device:
                 raise RuntimeError("sim-device: queued work failed") from self.error
 
 
-_DEV: Optional[_Device] = None
+_DEV: _Device | None = None
 
 
 def _dev() -> _Device:
@@ -107,7 +108,7 @@ def _dev() -> _Device:
 class SimStream:
     """A queue of work. `torch.cpu.Stream(priority=...)` while installed."""
 
-    def __init__(self, priority: int = 0, *, _device: Optional[_Device] = None, _default: bool = False, **_: Any):
+    def __init__(self, priority: int = 0, *, _device: _Device | None = None, _default: bool = False, **_: Any):
         self._d = _device or _dev()
         self.default = _default
         self.priority = priority
@@ -177,7 +178,7 @@ class SimStream:
     def query(self) -> bool:
         return self.done >= self.issued
 
-    def wait_stream(self, other: "SimStream") -> None:
+    def wait_stream(self, other: SimStream) -> None:
         """Later work on this stream runs after what `other` has queued so far."""
         if other is self or not isinstance(other, SimStream):
             return
@@ -187,7 +188,7 @@ class SimStream:
         elif other.done < mark:
             self.enqueue(lambda: other._run_to(mark), "barrier")
 
-    def wait_event(self, event: "SimEvent") -> None:
+    def wait_event(self, event: SimEvent) -> None:
         if not isinstance(event, SimEvent) or event.stream is None or event.stream is self:
             return
         s, mark = event.stream, event.mark
@@ -196,7 +197,7 @@ class SimStream:
         elif s.done < mark:
             self.enqueue(lambda: s._run_to(mark), "barrier")
 
-    def record_event(self, event: Optional["SimEvent"] = None) -> "SimEvent":
+    def record_event(self, event: SimEvent | None = None) -> SimEvent:
         event = event if event is not None else SimEvent()
         event.record(self)
         return event
@@ -211,10 +212,10 @@ class SimEvent:
     hold after it is uninstalled."""
 
     def __init__(self) -> None:
-        self.stream: Optional[SimStream] = None
+        self.stream: SimStream | None = None
         self.mark = 0
 
-    def record(self, stream: Optional[SimStream] = None) -> None:
+    def record(self, stream: SimStream | None = None) -> None:
         s = stream if stream is not None else current_stream()
         with s._d.lock:
             self.stream, self.mark = s, s.issued
@@ -242,21 +243,21 @@ class SimEvent:
         if self.stream is not None:
             self.stream._run_to(self.mark)
 
-    def wait(self, stream: Optional[SimStream] = None) -> None:
+    def wait(self, stream: SimStream | None = None) -> None:
         (stream if stream is not None else current_stream()).wait_event(self)
 
-    def elapsed_time(self, end_event: "SimEvent") -> float:
+    def elapsed_time(self, end_event: SimEvent) -> float:
         return 0.0
 
 
 class StreamContext:
     """`with torch.cpu.stream(s):` / `torch.cpu.StreamContext(s)` - per thread, as on a GPU."""
 
-    def __init__(self, stream: Optional[SimStream]) -> None:
+    def __init__(self, stream: SimStream | None) -> None:
         self.stream = stream
         self._prev: list[SimStream] = []
 
-    def __enter__(self) -> Optional[SimStream]:
+    def __enter__(self) -> SimStream | None:
         d = _dev()
         self._prev.append(current_stream())
         if self.stream is not None:
@@ -267,7 +268,7 @@ class StreamContext:
         _dev().tls.current = self._prev.pop()
 
 
-def stream(s: Optional[SimStream]) -> StreamContext:
+def stream(s: SimStream | None) -> StreamContext:
     return StreamContext(s)
 
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from sglang_l3.metrics import store_counters as counters
 from sglang_l3.storage.config import StoreSettings, default_store_dir
 from sglang_l3.storage.identity import ModelIdentity, PoolLayout, Shard, identity_for
-from sglang_l3.metrics import store_counters as counters
 
 __all__ = [
     "StoreSettings",

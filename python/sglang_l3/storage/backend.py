@@ -18,11 +18,11 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from enum import Enum
-from typing import Any, Callable, List, Optional
+from typing import Any
 
 import torch
-
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -32,6 +32,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
     PoolTransferResult,
 )
+
 from sglang_l3.storage.config import StoreSettings
 from sglang_l3.storage.identity import PoolLayout, identity_for
 from sglang_l3.storage.pagemap import PageMap, Target, flat_tensor_target
@@ -67,7 +68,7 @@ def _never_raise(fallback: Callable[..., Any]):
     return deco
 
 
-def _chain(keys: List[str], prefix_keys: Optional[List[str]]) -> list[tuple[Optional[str], int]]:
+def _chain(keys: list[str], prefix_keys: list[str] | None) -> list[tuple[str | None, int]]:
     """(prior key, depth) per key: prefix_keys + keys is one contiguous chain."""
     if prefix_keys is None:
         prior0, depth0 = None, -1
@@ -76,12 +77,12 @@ def _chain(keys: List[str], prefix_keys: Optional[List[str]]) -> list[tuple[Opti
     return [(prior0 if i == 0 else keys[i - 1], depth0 + i if depth0 >= 0 else -1) for i in range(len(keys))]
 
 
-def _false_lists(transfers: List[PoolTransfer], *_a, **_k) -> dict:
+def _false_lists(transfers: list[PoolTransfer], *_a, **_k) -> dict:
     return {t.name: [False] * len(t.keys or []) for t in transfers or []}
 
 
 class L3FileStore(HiCacheStorage):
-    def __init__(self, storage_config: HiCacheStorageConfig, file_path: Optional[str] = None):
+    def __init__(self, storage_config: HiCacheStorageConfig, file_path: str | None = None):
         self.storage_config = storage_config
         self.settings = StoreSettings.resolve(storage_config.extra_config, explicit_dir=file_path)
         self.model, self.shard = identity_for(storage_config, override=self.settings.model_identity)
@@ -132,7 +133,7 @@ class L3FileStore(HiCacheStorage):
             "zero-copy" if pm.zero_copy else "copy path",
         )
 
-    def pool_layout(self, name: Any) -> Optional[PoolLayout]:
+    def pool_layout(self, name: Any) -> PoolLayout | None:
         spec = self._specs.get(pool_key(name))
         return spec.layout if spec else None
 
@@ -142,7 +143,7 @@ class L3FileStore(HiCacheStorage):
             logger.warning(msg, *args)
 
     # ----------------------------------------------------------- existence
-    def _exists_prefix(self, keys: List[str], spec: PoolSpec) -> int:
+    def _exists_prefix(self, keys: list[str], spec: PoolSpec) -> int:
         n = 0
         for i in range(0, len(keys), _EXISTS_CHUNK):
             have = self.store.exists([(k, spec) for k in keys[i : i + _EXISTS_CHUNK]])
@@ -155,9 +156,9 @@ class L3FileStore(HiCacheStorage):
     @_never_raise(lambda *a, **k: PoolTransferResult.empty())
     def batch_exists_v2(
         self,
-        keys: List[str],
-        pool_transfers: Optional[List[PoolTransfer]] = None,
-        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
         kv = self._specs.get(KV)
         if kv is None:
@@ -197,11 +198,11 @@ class L3FileStore(HiCacheStorage):
     def _plan(
         self,
         name: str,
-        keys: List[str],
-        host_indices: Optional[torch.Tensor],
+        keys: list[str],
+        host_indices: torch.Tensor | None,
         write: bool,
-        prefix_keys: Optional[List[str]],
-    ) -> Optional[list[tuple[Any, Target]]]:
+        prefix_keys: list[str] | None,
+    ) -> list[tuple[Any, Target]] | None:
         pm, spec = self._maps.get(name), self._specs.get(name)
         if pm is None or spec is None:
             self._warn_once(f"unreg:{name}", "sglang-l3 store: pool %s not registered; IO fails", name)
@@ -232,9 +233,9 @@ class L3FileStore(HiCacheStorage):
 
     def _run(
         self,
-        requests: list[tuple[Any, str, List[str], Optional[torch.Tensor]]],
+        requests: list[tuple[Any, str, list[str], torch.Tensor | None]],
         write: bool,
-        prefix_keys: Optional[List[str]],
+        prefix_keys: list[str] | None,
     ) -> dict:
         """One engine call for every page of every pool in the batch."""
         out: dict = {}
@@ -264,33 +265,33 @@ class L3FileStore(HiCacheStorage):
                 out[rkey] = r
         return out
 
-    def _v2(self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo], write: bool) -> dict:
+    def _v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None, write: bool) -> dict:
         prefix = extra_info.prefix_keys if extra_info is not None else None
         reqs = [(t.name, pool_key(t.name), list(t.keys or []), t.host_indices) for t in transfers]
         return self._run(reqs, write, prefix)
 
     @_never_raise(_false_lists)
     def batch_get_v2(
-        self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None
-    ) -> dict[str, List[bool]]:
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
         return self._v2(transfers, extra_info, write=False)
 
     @_never_raise(_false_lists)
     def batch_set_v2(
-        self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None
-    ) -> dict[str, List[bool]]:
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
         return self._v2(transfers, extra_info, write=True)
 
     @_never_raise(lambda keys, *a, **k: [False] * len(keys))
     def batch_get_v1(
-        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
-    ) -> List[bool]:
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         return self._run([(KV, KV, list(keys), host_indices)], False, None)[KV]
 
     @_never_raise(lambda keys, *a, **k: [False] * len(keys))
     def batch_set_v1(
-        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
-    ) -> List[bool]:
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         prefix = extra_info.prefix_keys if extra_info is not None else None
         return self._run([(KV, KV, list(keys), host_indices)], True, prefix)[KV]
 
@@ -311,8 +312,8 @@ class L3FileStore(HiCacheStorage):
 
     @_never_raise(lambda keys, *a, **k: [None] * len(keys))
     def batch_get(
-        self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
-    ) -> List[torch.Tensor | None]:
+        self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None
+    ) -> list[torch.Tensor | None]:
         if not target_locations:
             return [None] * len(keys)
         items = [
@@ -321,18 +322,16 @@ class L3FileStore(HiCacheStorage):
         res = self.store.read(items)
         return [t if ok else None for t, ok in zip(target_locations, res, strict=False)]
 
-    def get(
-        self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None
-    ) -> torch.Tensor | None:
+    def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location] if target_location is not None else None)[0]
 
     @_never_raise(lambda *a, **k: False)
     def batch_set(
         self,
-        keys: List[str],
-        values: Optional[Any] = None,
-        target_locations: Optional[Any] = None,
-        target_sizes: Optional[Any] = None,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
     ) -> bool:
         if values is None:
             return False
@@ -343,9 +342,9 @@ class L3FileStore(HiCacheStorage):
     def set(
         self,
         key: str,
-        value: Optional[Any] = None,
-        target_location: Optional[Any] = None,
-        target_sizes: Optional[Any] = None,
+        value: Any | None = None,
+        target_location: Any | None = None,
+        target_sizes: Any | None = None,
     ) -> bool:
         return self.batch_set([key], [value] if value is not None else None)
 
@@ -355,7 +354,7 @@ class L3FileStore(HiCacheStorage):
         return kv is not None and self.store.exists([(key, kv)])[0]
 
     @_never_raise(lambda *a, **k: 0)
-    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         kv = self._specs.get(KV)
         return self._exists_prefix(list(keys), kv) if kv is not None else 0
 
@@ -372,7 +371,7 @@ class L3FileStore(HiCacheStorage):
     def counters(self) -> dict:
         return self.store.counters.snapshot()
 
-    def _record_batch(self, items: list, res: List[bool], seconds: float, write: bool) -> None:
+    def _record_batch(self, items: list, res: list[bool], seconds: float, write: bool) -> None:
         pages = sum(1 for ok in res if ok)
         if not pages:
             return

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from sglang_l3.storage.safety import IDENTITY_OVERRIDE_RE
 
@@ -37,7 +38,7 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def parse_size(value: Any, *, name: str = "size", fs_total: Optional[int] = None, strict: bool = False) -> int:
+def parse_size(value: Any, *, name: str = "size", fs_total: int | None = None, strict: bool = False) -> int:
     """'20G' (SI, like upstream's human_readable_int), '20Gi'/'20GiB'/'20gib'
     (IEC), plain bytes, or 'N%' of the filesystem (needs fs_total).
     Settings: 0 / '' / None = off. strict=True (destructive CLI values): empty,
@@ -97,17 +98,17 @@ class StoreSettings:
     quarantine_max_bytes: int = 2 * 2**30
     model_identity: str = ""  # operator override mixed into the model identity
 
-    def min_free_bytes(self, fs_total: Optional[int]) -> int:
+    def min_free_bytes(self, fs_total: int | None) -> int:
         return parse_size(self.min_free, name="min_free_bytes", fs_total=fs_total or 0)
 
     @classmethod
     def resolve(
         cls,
-        extra_config: Optional[Mapping[str, Any]] = None,
-        env: Optional[Mapping[str, str]] = None,
+        extra_config: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
         *,
-        explicit_dir: Optional[str] = None,
-    ) -> "StoreSettings":
+        explicit_dir: str | None = None,
+    ) -> StoreSettings:
         extra = dict(extra_config or {})
         env = os.environ if env is None else env
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import pwd
 import stat
-from typing import Any, Optional
+from typing import Any
 
 from sglang_l3 import metrics
 from sglang_l3.storage import index
@@ -31,7 +31,7 @@ def _fs_type(path: str) -> str:
     return fstype
 
 
-def report(store_dir: Optional[str] = None) -> dict[str, Any]:
+def report(store_dir: str | None = None) -> dict[str, Any]:
     lines: list[str] = []
     data: dict[str, Any] = {}
     ok = True

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import xxhash
 
@@ -112,7 +113,7 @@ class Header:
     meta: dict[str, Any]
 
 
-def decode_header(buf: bytes | memoryview, file_size: Optional[int] = None) -> Header:
+def decode_header(buf: bytes | memoryview, file_size: int | None = None) -> Header:
     """Parse and self-check a header. Raises HeaderError(reason)."""
     b = bytes(buf[:FIXED]) if len(buf) >= FIXED else b""
     if len(b) < FIXED:
@@ -172,7 +173,7 @@ class PageName:
         return self.stem + PAGE_SUFFIX
 
 
-def parse_page_name(filename: str) -> Optional[PageName]:
+def parse_page_name(filename: str) -> PageName | None:
     if not filename.endswith(PAGE_SUFFIX):
         return None
     parts = filename[: -len(PAGE_SUFFIX)].split(".")

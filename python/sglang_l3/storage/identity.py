@@ -24,7 +24,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def diff(expected: dict, found: dict, prefix: str = "") -> list[str]:
 # --------------------------------------------------------------------------- #
 # Model fingerprint (no network; best effort, "unknown" when not derivable)
 # --------------------------------------------------------------------------- #
-def _file_sha(path: Path) -> Optional[str]:
+def _file_sha(path: Path) -> str | None:
     try:
         return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     except OSError:
@@ -158,7 +158,7 @@ def _weights_of_dir(d: Path) -> str:
     return "files:" + _digest(entries, 16) if entries else "unknown"
 
 
-def _hub_snapshot(model: str, revision: Optional[str]) -> Optional[tuple[str, Path]]:
+def _hub_snapshot(model: str, revision: str | None) -> tuple[str, Path] | None:
     hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
         os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"),
         "hub",
@@ -176,7 +176,7 @@ def _hub_snapshot(model: str, revision: Optional[str]) -> Optional[tuple[str, Pa
     return (commit, snap) if snap.is_dir() else None
 
 
-def model_fingerprint(model_path: str, revision: Optional[str] = None) -> tuple[str, str]:
+def model_fingerprint(model_path: str, revision: str | None = None) -> tuple[str, str]:
     """(config hash, weights id) for a local directory or a cached hub model."""
     if not model_path:
         return "unknown", "unknown"

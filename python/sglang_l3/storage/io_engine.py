@@ -36,9 +36,9 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 from sglang_l3.storage.format import (
     ALIGN,
@@ -81,7 +81,7 @@ class WriteJob:
     meta: dict
     # Budget gate, called right before this page's space is allocated, so a
     # free-space check sees the pages allocated before it in the batch.
-    admit: Optional[Callable[[], bool]] = None
+    admit: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -90,7 +90,7 @@ class ReadJob:
     runs: Sequence[memoryview]
     payload_len: int
     # Returns a reason tag when the (self-consistent) header belongs elsewhere.
-    check: Callable[[Header], Optional[str]]
+    check: Callable[[Header], str | None]
 
 
 @dataclass
@@ -99,12 +99,12 @@ class IOResult:
     status: str = "ok"  # ok | missing | enospc | budget | io_error | <corruption reason>
     detail: str = ""
     corrupt: bool = False
-    file_id: Optional[tuple[int, int]] = None  # (st_dev, st_ino) of what was read
+    file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of what was read
     direct: bool = False
     bounce: bool = False
 
 
-def buffer_address(mv: memoryview) -> Optional[int]:
+def buffer_address(mv: memoryview) -> int | None:
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(mv))
     except (TypeError, ValueError):  # read-only or empty
@@ -232,10 +232,10 @@ class _Page:
     tmp: str = ""
     remaining: int = 0
     sums: list = field(default_factory=list)
-    error: Optional[BaseException] = None
-    hdr: Optional[memoryview] = None
+    error: BaseException | None = None
+    hdr: memoryview | None = None
     st_size: int = 0
-    file_id: Optional[tuple[int, int]] = None
+    file_id: tuple[int, int] | None = None
     st_mtime: float = 0.0
     short: bool = False
     header_written: bool = False
@@ -391,7 +391,7 @@ class IOEngine:
 
     # ------------------------------------------------------------------ write
     def write(self, jobs: Sequence[WriteJob]) -> list[IOResult]:
-        results: list[Optional[IOResult]] = [None] * len(jobs)
+        results: list[IOResult | None] = [None] * len(jobs)
         pages: list[_Page] = []
         hbuf = None
         for idx, job in enumerate(jobs):
@@ -512,7 +512,7 @@ class IOEngine:
 
     # ------------------------------------------------------------------- read
     def read(self, jobs: Sequence[ReadJob]) -> list[IOResult]:
-        results: list[Optional[IOResult]] = [None] * len(jobs)
+        results: list[IOResult | None] = [None] * len(jobs)
         pages: list[_Page] = []
         for idx, job in enumerate(jobs):
             hlen = header_len_for(job.payload_len)

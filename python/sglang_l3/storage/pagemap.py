@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -76,7 +77,7 @@ class _StorageViews:
 @dataclass
 class Target:
     runs: list[memoryview]
-    commit: Optional[Callable[[], None]] = None  # copy path: staging -> pool after a verified read
+    commit: Callable[[], None] | None = None  # copy path: staging -> pool after a verified read
     keep: Any = None  # keeps a staging tensor alive
 
 
@@ -89,7 +90,7 @@ class PageMap:
         flat = pool.get_dummy_flat_data_page()
         self.flat_bytes = flat.numel() * flat.element_size()
         self._flat_dtype = flat.dtype
-        self._template: Optional[list[tuple[Any, int, int, int]]] = None
+        self._template: list[tuple[Any, int, int, int]] | None = None
         self.zero_copy = False
         comps: list[tuple[str, tuple[int, ...]]] = []
         try:
@@ -120,7 +121,7 @@ class PageMap:
         )
 
     # The pool's own serialization order, as views (None: not views).
-    def _page_views(self, index: int) -> Optional[list[torch.Tensor]]:
+    def _page_views(self, index: int) -> list[torch.Tensor] | None:
         pool = self.pool
         if hasattr(pool, "_iter_page_tensors"):  # Mamba: temporal, conv..., side states
             return list(pool._iter_page_tensors(index))
@@ -134,7 +135,7 @@ class PageMap:
         size = getattr(self.pool, "size", None)
         return int(size) // self.page_size if size else 0
 
-    def _build_template(self, runs0: list[Run]) -> Optional[list[tuple[Any, int, int, int]]]:
+    def _build_template(self, runs0: list[Run]) -> list[tuple[Any, int, int, int]] | None:
         """Runs of page p = runs of page 0 shifted by p * delta (checked on two more pages)."""
         n = self._n_pages()
         if n < 2:

@@ -15,8 +15,8 @@ import shutil
 import stat
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from sglang_l3 import metrics
 from sglang_l3.storage import writers
@@ -54,7 +54,7 @@ class WriteItem:
     key: str
     spec: PoolSpec
     runs: Sequence[memoryview]
-    prior: Optional[str] = None  # previous page key in the hash chain ("" = first page)
+    prior: str | None = None  # previous page key in the hash chain ("" = first page)
     depth: int = -1  # page index from the sequence start (-1 = unknown)
 
 
@@ -73,7 +73,7 @@ class PageStore:
         shard: Shard,
         *,
         replicated_writer: bool = True,
-        sweep_strays: Optional[bool] = None,
+        sweep_strays: bool | None = None,
     ):
         self.settings = settings
         self.model = model
@@ -247,7 +247,7 @@ class PageStore:
 
     # ----------------------------------------------------------------- read
     def _checker(self, key: str, spec: PoolSpec, name: PageName):
-        def check(h: Header) -> Optional[str]:
+        def check(h: Header) -> str | None:
             m = h.meta
             if m.get("key") != key or m.get("pool") != spec.layout.pool:
                 return f"page is {m.get('key')!r}/{m.get('pool')!r}, wanted {key!r}/{spec.layout.pool!r}"
@@ -389,7 +389,7 @@ class PageStore:
         return m
 
     # ----------------------------------------------------------- quarantine
-    def quarantine(self, path: str, reason: str, file_id: Optional[tuple[int, int]] = None) -> bool:
+    def quarantine(self, path: str, reason: str, file_id: tuple[int, int] | None = None) -> bool:
         """Move a bad file aside (kept for inspection, bounded in size)."""
         # Relative to the opened pages/ and quarantine/, by name: a link is moved
         # (or removed) itself, its target is never touched.

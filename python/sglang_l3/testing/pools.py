@@ -9,7 +9,8 @@ geometry here, so they are as small as the pool classes allow.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ def host_kv_pool(
     layout: str = "page_first",
     dtype: torch.dtype = torch.bfloat16,
     host_ratio: float = 2.0,
-    host_token_capacity: Optional[int] = None,
+    host_token_capacity: int | None = None,
 ) -> Any:
     """A real `MHATokenToKVPoolHost` over CPU 'device' buffers (no pinning)."""
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
@@ -106,7 +107,7 @@ def storage_config(
     tp_rank: int = 0,
     tp_size: int = 1,
     model: str = "test/model",
-    extra: Optional[dict] = None,
+    extra: dict | None = None,
     is_mla: bool = False,
 ) -> Any:
     """Upstream's `HiCacheStorageConfig` as the controller builds it for a page_first layout."""

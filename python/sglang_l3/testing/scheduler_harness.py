@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 import types
 from array import array
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -113,7 +113,7 @@ class SchedulerHarness:
         stack._exit.enter_context(get_parallel().override(pp_max_micro_batch_size=max_running_requests))
 
     # ---------------------------------------------------------------- requests
-    def make_req(self, input_ids: list[int], rid: Optional[str] = None, max_new_tokens: int = 1) -> Any:
+    def make_req(self, input_ids: list[int], rid: str | None = None, max_new_tokens: int = 1) -> Any:
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -160,9 +160,8 @@ class SchedulerHarness:
     # ------------------------------------------------------------------ forward
     def run_deferred_mamba_cow_and_clear(self, batch: Any) -> None:
         """The ModelRunner step that executes the batch's deferred CoW/clear."""
-        from sglang.srt.model_executor.model_runner import ModelRunner
-
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from sglang.srt.model_executor.model_runner import ModelRunner
 
         mr = ModelRunner.__new__(ModelRunner)
         mr.req_to_token_pool = self.stack.req_to_token_pool

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from sglang_l3 import metrics
+from sglang_l3.patches.hicache.reanchor import ReanchorViolation, record_of
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import HybridSpec, L3Stack
-from sglang_l3.patches.hicache.reanchor import ReanchorViolation, record_of
 
 
 @dataclass
@@ -123,7 +123,7 @@ def run_soak(
     page_size: int = 1,
     agents: int = 6,
     tree_core: str = "rust",
-    progress: Optional[Any] = None,
+    progress: Any | None = None,
     abort_queued_p: float = 0.05,
     abort_running_p: float = 0.05,
     fault_p: float = 0.03,

@@ -16,10 +16,11 @@ import contextlib
 import json
 import time
 from array import array
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -66,7 +67,7 @@ class Snapshot:
     v: torch.Tensor
     mamba: list[torch.Tensor] = field(default_factory=list)
 
-    def equal(self, other: "Snapshot") -> bool:
+    def equal(self, other: Snapshot) -> bool:
         return (
             torch.equal(self.k, other.k)
             and torch.equal(self.v, other.v)
@@ -111,7 +112,7 @@ def sim_chance() -> bool:
     return sim_streams.chance()
 
 
-def _req_mamba_slot(req: Any) -> Optional[int]:
+def _req_mamba_slot(req: Any) -> int | None:
     idx = getattr(req.kv, "mamba_pool_idx", None)
     return None if idx is None else int(torch.as_tensor(idx).reshape(-1)[0])
 
@@ -188,9 +189,9 @@ class L3Stack:
         prefetch_threshold: int = 1,
         write_policy: str = "write_through",
         storage_backend: str = "file",
-        extra_config: Optional[dict[str, Any]] = None,
-        server_args: Optional[dict[str, Any]] = None,
-        host_budget_bytes: Optional[int] = None,
+        extra_config: dict[str, Any] | None = None,
+        server_args: dict[str, Any] | None = None,
+        host_budget_bytes: int | None = None,
     ):
         from sglang.kernels.ops.attention.fla.chunk_delta_h import CHUNK_SIZE
         from sglang.srt.environ import envs
@@ -340,7 +341,7 @@ class L3Stack:
         return out
 
     # --------------------------------------------------------------- requests
-    def new_req(self, rid: Optional[str] = None, input_ids: Optional[list[int]] = None) -> Any:
+    def new_req(self, rid: str | None = None, input_ids: list[int] | None = None) -> Any:
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -363,13 +364,13 @@ class L3Stack:
 
         return self.cache.match_prefix(MatchPrefixParams(key=self.key(seq)))
 
-    def node_mamba_slot(self, node: Any) -> Optional[int]:
+    def node_mamba_slot(self, node: Any) -> int | None:
         from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
         v = self.cache.tree_core.get_component_device_value(node, ComponentType.MAMBA)
         return None if v is None else int(torch.as_tensor(v).reshape(-1)[0])
 
-    def snapshot(self, node: Any, mamba_slot: Optional[int]) -> Snapshot:
+    def snapshot(self, node: Any, mamba_slot: int | None) -> Snapshot:
         idx = self.cache.path_device_indices(node)
         layer = self.kv_pool.start_layer
         k = self.kv_pool.get_key_buffer(layer)[idx].clone()
@@ -381,9 +382,7 @@ class L3Stack:
             mamba = [mc.temporal[:, s].clone()] + [c[:, s].clone() for c in mc.conv]
         return Snapshot(k, v, mamba)
 
-    def write(
-        self, seq: list[int], marker: float = 1.0, *, flush: bool = True, state: Optional[float] = None
-    ) -> Snapshot:
+    def write(self, seq: list[int], marker: float = 1.0, *, flush: bool = True, state: float | None = None) -> Snapshot:
         """Insert `seq` with its KV and a Mamba state, and write it through to L3.
 
         KV is a function of (token id, position, layer) only — like a real
@@ -432,7 +431,7 @@ class L3Stack:
             vb[rows] = (-base - layer).to(vb.dtype)
 
     def expected_kv(
-        self, token_ids: list[int], start_pos: int = 0, layer: Optional[int] = None
+        self, token_ids: list[int], start_pos: int = 0, layer: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The KV fill_kv writes for `token_ids` at positions from `start_pos` (default:
         a whole prefix) in `layer` of the full-attention pool (default: its first)."""
@@ -440,7 +439,7 @@ class L3Stack:
         return self._expected_kv_at(torch.tensor(list(token_ids)), pos, layer)
 
     def _expected_kv_at(
-        self, ids: torch.Tensor, pos: torch.Tensor, layer: Optional[int]
+        self, ids: torch.Tensor, pos: torch.Tensor, layer: int | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         base = ((ids.float() % 251) / 8 + (pos.float() % 61) / 4).view(-1, 1, 1)
         layer = self.kv_pool.start_layer if layer is None else layer
@@ -453,12 +452,12 @@ class L3Stack:
         self,
         consumer: int,
         rows: torch.Tensor,
-        token_ids: Optional[torch.Tensor],
-        positions: Optional[torch.Tensor],
+        token_ids: torch.Tensor | None,
+        positions: torch.Tensor | None,
         mamba_slots: list[int],
         *,
         check: bool = True,
-    ) -> "ForwardRead":
+    ) -> ForwardRead:
         """Queue on the forward stream what a forward pass of a just-admitted batch reads:
         `TpModelWorker.set_hicache_consumer(consumer)`, then per layer upstream's own wait
         (`HybridLinearKVPool.get_key_buffer` / `HybridReqToTokenPool.mamba2_layer_index` ->
@@ -513,7 +512,7 @@ class L3Stack:
         if sync is not None:
             sync()
 
-    def check_forward_read(self, read: "ForwardRead") -> None:
+    def check_forward_read(self, read: ForwardRead) -> None:
         """The forward read the KV fill_kv wrote in every row it read."""
         assert len(read.kv) == len(self.spec.full_attention_layer_ids), "the forward read has not run"
         for layer, bad in read.kv:
@@ -523,7 +522,7 @@ class L3Stack:
                     "(a copy landed after the forward read it, or something overwrote the rows)"
                 )
 
-    def check_forward_mamba(self, read: "ForwardRead") -> None:
+    def check_forward_mamba(self, read: ForwardRead) -> None:
         """The Mamba states the forward read equal what is there once every copy has landed."""
         mc = self.mamba_cache
         layer_index = dict(self.req_to_token_pool.mamba_map)
@@ -647,7 +646,7 @@ class L3Stack:
         seq: list[int],
         rid: str,
         *,
-        loads_first: Optional[bool] = None,
+        loads_first: bool | None = None,
         check_forward: bool = True,
     ) -> tuple[Any, int]:
         """Admission of a staged prefetch (handle `h`): prepare → init_load_back → the
@@ -791,7 +790,7 @@ class L3Stack:
                 close_backend()
         self._exit.close()
 
-    def __enter__(self) -> "L3Stack":
+    def __enter__(self) -> L3Stack:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -16,7 +16,8 @@ SGLANG_L3_SIM_STREAMS=<seed>[:threaded] (tests and benchmark/stall_bench.py, thr
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from sglang_l3 import envs
 from sglang_l3.patches.framework import PatchContext
@@ -69,8 +70,8 @@ MOVE_INDICES = "sglang.srt.managers.cache_controller:HiCacheController.move_indi
 
 
 def _move_indices(orig: Callable[..., Any], cc: Any, host_indices: Any, device_indices: Any) -> Any:
-    from sglang_l3.sim.streams import device_read
     from sglang_l3.device_reads import is_host_copy
+    from sglang_l3.sim.streams import device_read
 
     if cc.io_backend == "direct" and not is_host_copy(device_indices):
         device_read()  # upstream's device_indices.cpu()

@@ -37,7 +37,8 @@ How, per entry:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from sglang_l3.patches.framework import PatchContext
 

@@ -19,7 +19,8 @@ the same way. Only TP rank 0 writes the record; every rank forces the same token
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, cast
+from collections.abc import Callable
+from typing import Any, cast
 
 from sglang_l3 import envs
 from sglang_l3.patches.framework import PatchContext

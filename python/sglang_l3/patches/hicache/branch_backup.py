@@ -17,7 +17,7 @@ backup path itself decides from, and it is identical on every rank.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from sglang_l3 import metrics
 from sglang_l3.patches.framework import PatchContext
@@ -36,7 +36,7 @@ def _end_insert_walk(original: Any, pipe: Any) -> Any:
     return original(pipe)
 
 
-def _kv_chosen_for_l3(cache: Any, pipe: Any, node_id: Any, walk: Optional[set]) -> bool:
+def _kv_chosen_for_l3(cache: Any, pipe: Any, node_id: Any, walk: set | None) -> bool:
     """The write policy already sent this node's KV to L3 (or is sending it)."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
@@ -48,7 +48,7 @@ def _kv_chosen_for_l3(cache: Any, pipe: Any, node_id: Any, walk: Optional[set]) 
     return snap is not None and cache.storage_existence_cache.pool(PoolName.KV).covered(snap.hash_values)
 
 
-def backup_committed_state(cache: Any, node_id: Any, walk: Optional[set]) -> bool:
+def backup_committed_state(cache: Any, node_id: Any, walk: set | None) -> bool:
     """Queue the Mamba page of a freshly committed state; True when queued."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 

@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -56,10 +56,10 @@ class RestoreRecord:
     node: Any
     loaded: int
     prefix_after: int
-    node_slot: Optional[int]
-    req_slot: Optional[int]
-    host_slot: Optional[int]
-    node_copy_slot: Optional[int]
+    node_slot: int | None
+    req_slot: int | None
+    host_slot: int | None
+    node_copy_slot: int | None
     load_back_id: int
     committed: bool = False
     anchor_releases: int = 0
@@ -80,11 +80,11 @@ def verify_enabled() -> bool:
     return os.environ.get("SGLANG_L3_VERIFY", "0").lower() in ("1", "true", "yes")
 
 
-def record_of(req: Any) -> Optional[RestoreRecord]:
+def record_of(req: Any) -> RestoreRecord | None:
     return getattr(req, _RECORD_ATTR, None)
 
 
-def _slot(t: Any) -> Optional[int]:
+def _slot(t: Any) -> int | None:
     if t is None:
         return None
     return int(torch.as_tensor(t).reshape(-1)[0])
@@ -94,7 +94,7 @@ def _path_len(cache: Any, node: Any) -> int:
     return int(cache.path_device_indices(node).numel())
 
 
-def _node_mamba_slot(cache: Any, node: Any) -> Optional[int]:
+def _node_mamba_slot(cache: Any, node: Any) -> int | None:
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
     try:
@@ -119,7 +119,7 @@ def _describe(req: Any, **extra: Any) -> str:
 # --------------------------------------------------------------------------- #
 # Before the copy: checks that can still fall back to recompute
 # --------------------------------------------------------------------------- #
-def _precheck(pipe: Any, req: Any, f: Any) -> Optional[str]:
+def _precheck(pipe: Any, req: Any, f: Any) -> str | None:
     cache = pipe._cache
     plan = req.staged_prefetch_plan
     if f is None:

@@ -81,8 +81,8 @@ import torch
 
 from sglang_l3 import metrics
 from sglang_l3.device_reads import host_copy
-from sglang_l3.patches.hicache import write_guard
 from sglang_l3.patches.framework import PatchContext
+from sglang_l3.patches.hicache import write_guard
 
 logger = logging.getLogger("sglang_l3.streamed_restore")
 

@@ -11,7 +11,7 @@ the linear kernel that GPTQLinearScheme._init_kernel refuses to pick.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from sglang_l3.patches.framework import PatchContext, PatchError
 from sglang_l3.quant.platform import not_applicable_reason, on_hip
@@ -29,7 +29,7 @@ def _on_hip() -> bool:
     return on_hip()
 
 
-def applicable() -> Optional[str]:
+def applicable() -> str | None:
     return not_applicable_reason()
 
 

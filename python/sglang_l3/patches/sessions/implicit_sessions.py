@@ -102,9 +102,9 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
     from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 
     from sglang_l3.sessions import pin_book
-    from sglang_l3.sessions.implicit import end_pages, page_keys
     from sglang_l3.sessions.activity import ACTIVITY
     from sglang_l3.sessions.hints import HINT_RID_PREFIX, prediction
+    from sglang_l3.sessions.implicit import end_pages, page_keys
 
     mm = kwargs.get("mm_inputs", args[1] if len(args) > 1 else None)
     embeds = kwargs.get("input_embeds", args[0] if args else None)
@@ -149,8 +149,8 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
 
 def _finished(tm: Any, st: _State, rid: str, out_ids: list[int]) -> None:
     from sglang_l3.sessions import turn_pairs
-    from sglang_l3.sessions.implicit import end_pages, page_keys
     from sglang_l3.sessions.hints import BOOK
+    from sglang_l3.sessions.implicit import end_pages, page_keys
 
     entry = st.pending.pop(rid, None)
     if entry is None:

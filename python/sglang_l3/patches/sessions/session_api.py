@@ -33,8 +33,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang_l3.sessions.implicit import end_pages
 from sglang_l3.patches.framework import PatchContext
+from sglang_l3.sessions.implicit import end_pages
 
 logger = logging.getLogger("sglang_l3.sessions")
 

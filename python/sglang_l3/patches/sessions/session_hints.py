@@ -90,9 +90,8 @@ def add_routes(app: Any) -> None:
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
-    from sglang_l3.live_config import value as live_value
-
     from sglang_l3 import metrics
+    from sglang_l3.live_config import value as live_value
     from sglang_l3.sessions.hints import BOOK, HintError
 
     async def prefetch(request: Request) -> JSONResponse:
@@ -124,9 +123,8 @@ def add_routes(app: Any) -> None:
         return JSONResponse(h.as_dict())
 
     async def sessions() -> JSONResponse:
-        from sglang_l3.storage.sessions import session_rows
-
         from sglang_l3.sessions.activity import ACTIVITY
+        from sglang_l3.storage.sessions import session_rows
 
         tm = _tm()
         device = None if tm is None else await _device_tokens(tm)
@@ -161,8 +159,7 @@ def add_routes(app: Any) -> None:
 
         from sglang_l3.patches.sessions.session_api import DROP_MARK
         from sglang_l3.sessions.activity import ACTIVITY
-        from sglang_l3.storage.sessions import valid_session_id
-        from sglang_l3.storage.sessions import session_rows
+        from sglang_l3.storage.sessions import session_rows, valid_session_id
 
         tm = _tm()
         if tm is None:

@@ -10,7 +10,8 @@ same model with the same weights.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from sglang_l3.patches.framework import PatchContext
 

@@ -244,9 +244,8 @@ def _init_load_back(original: Callable, pipe: Any, params: Any) -> Any:
     req = params.req
     cache = pipe._cache
     if req is not None and pipe.staged_prefetches.get(req.cache_request_handle) is not None and _fault_here(cache):
-        from sglang_l3.patches.hicache.reanchor import fallback
-
         from sglang_l3 import faults
+        from sglang_l3.patches.hicache.reanchor import fallback
 
         faults.spend(faults.RESTORE_FALLBACK)
         logger.warning(
