@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from sglang_l3.patches import framework
 from sglang_l3.sim.harness import seeds, simulated_device
+from sglang_l3.testing.stack import TREE_CORES
 
 
 @pytest.fixture
@@ -17,6 +18,22 @@ def without(request):
     yield pid
     for rid in [pid, *removed]:
         framework.apply_one(next(s for s in series if s.id == rid), series)
+
+
+@pytest.fixture
+def small_host_reserve(monkeypatch):
+    """Upstream keeps 10 GiB of host RAM free before it builds any host pool
+    (pool_host/base.py host_memory_budget_bytes); the pools here are a few MiB,
+    and the shared test machine often has less than 10 GiB available."""
+    from sglang.srt.mem_cache.pool_host import base
+
+    monkeypatch.setattr(base, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 256 * 2**20)
+
+
+@pytest.fixture(params=TREE_CORES)
+def core(request) -> str:
+    """Each radix-tree core the cache stack can run on."""
+    return request.param
 
 
 # Every test of these files moves data through HiCache: it runs on the simulated

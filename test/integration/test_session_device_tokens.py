@@ -13,16 +13,11 @@ from sglang_l3.patches.sessions.session_device_tokens import device_tokens
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
 
+pytestmark = pytest.mark.usefixtures("small_host_reserve")
+
 A = list(range(1, 277))  # 276 tokens + 1 output: 277 of the 512-row device pool
 B = list(range(2000, 2300))  # 300 tokens + 1: fits only by evicting most of A
 KV_ROWS = 512
-
-
-@pytest.fixture(autouse=True)
-def _small_host_reserve(monkeypatch):
-    from sglang.srt.mem_cache.pool_host import base
-
-    monkeypatch.setattr(base, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 256 * 2**20)
 
 
 def _serve(h: SchedulerHarness, ids: list[int], sid: str):

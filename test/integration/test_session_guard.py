@@ -14,28 +14,16 @@ import pytest
 from sglang_l3.patches.sessions.session_api import registry_of
 from sglang_l3.sessions.hints import DEFERRED_DEVICE_FULL, hint_rid
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
-from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
+from sglang_l3.testing.stack import HybridSpec, L3Stack
 
 # Under every simulated-device seed (test/integration/conftest.py); the second seed
 # only on the Rust tree core (suite time).
-pytestmark = pytest.mark.all_seeds(core=("rust",))
+pytestmark = [pytest.mark.all_seeds(core=("rust",)), pytest.mark.usefixtures("small_host_reserve")]
 
 A = list(range(1, 277))  # 276 tokens + 1 output token: 277 of the 512-row device pool
 B = list(range(2000, 2300))  # 300 tokens + 1: fits only by evicting most of A
 KV_ROWS = 512
 CASES = ["busy", "hinted", "priority", "plain_hint"]
-
-
-@pytest.fixture(autouse=True)
-def _small_host_reserve(monkeypatch):
-    from sglang.srt.mem_cache.pool_host import base
-
-    monkeypatch.setattr(base, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 256 * 2**20)
-
-
-@pytest.fixture(params=TREE_CORES)
-def core(request) -> str:
-    return request.param
 
 
 def _serve(h: SchedulerHarness, ids: list[int], sid: str):

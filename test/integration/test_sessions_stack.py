@@ -13,28 +13,13 @@ import pytest
 from sglang_l3.patches.sessions.session_api import registry_of
 from sglang_l3.storage.format import parse_page_name
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
-from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
+from sglang_l3.testing.stack import HybridSpec, L3Stack
 
 # Under every simulated-device seed (test/integration/conftest.py); the second seed
 # only on the Rust tree core (suite time).
-pytestmark = pytest.mark.all_seeds(core=("rust",))
+pytestmark = [pytest.mark.all_seeds(core=("rust",)), pytest.mark.usefixtures("small_host_reserve")]
 
 SEQ = list(range(1, 277))  # 276 tokens; page size 1 (one L3 page per token and pool)
-
-
-@pytest.fixture(autouse=True)
-def _small_host_reserve(monkeypatch):
-    """Upstream keeps 10 GiB of host RAM free before it builds any host pool
-    (pool_host/base.py host_memory_budget_bytes); the pools here are a few MiB,
-    and the shared test machine often has less than 10 GiB available."""
-    from sglang.srt.mem_cache.pool_host import base
-
-    monkeypatch.setattr(base, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 256 * 2**20)
-
-
-@pytest.fixture(params=TREE_CORES)
-def core(request) -> str:
-    return request.param
 
 
 def _kv_keys(root) -> set[str]:

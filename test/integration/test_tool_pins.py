@@ -19,7 +19,9 @@ from sglang_l3 import metrics
 from sglang_l3.patches.sessions import tool_pins as tp
 from sglang_l3.sessions.pin_book import EXPIRED, METHOD, PIN, RETURNED
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
-from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
+from sglang_l3.testing.stack import HybridSpec, L3Stack
+
+pytestmark = pytest.mark.usefixtures("small_host_reserve")
 
 KV_ROWS = 1024
 A = list(range(1, 301))
@@ -27,18 +29,6 @@ B = list(range(1001, 1301))
 C = list(range(2001, 2301))
 D = list(range(3001, 3301))
 FULL = 300  # a served context on the device (its sampled token has no KV yet)
-
-
-@pytest.fixture(autouse=True)
-def _small_host_reserve(monkeypatch):
-    from sglang.srt.mem_cache.pool_host import base
-
-    monkeypatch.setattr(base, "HICACHE_HOST_MEMORY_RESERVE_BYTES", 256 * 2**20)
-
-
-@pytest.fixture(params=TREE_CORES)
-def core(request) -> str:
-    return request.param
 
 
 @pytest.fixture(autouse=True)

@@ -18,16 +18,11 @@ import torch
 from sglang_l3 import metrics
 from sglang_l3.metrics import store_counters
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
-from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
+from sglang_l3.testing.stack import HybridSpec, L3Stack
 
 # Under every simulated-device seed (test/integration/conftest.py); the second seed
 # only on the Rust tree core (suite time).
 pytestmark = pytest.mark.all_seeds(core=("rust",))
-
-
-@pytest.fixture(params=TREE_CORES)
-def core(request) -> str:
-    return request.param
 
 
 def _serve(h: SchedulerHarness, seq: list[int]) -> None:
