@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 
 # Subcommands contributed by subsystems: module with add_parser(subparsers) and run(args) -> int.
 SUBCOMMANDS = (
@@ -29,7 +30,7 @@ def _patches(args: argparse.Namespace) -> int:
     return fingerprint.main(args.targets)
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
     parser = argparse.ArgumentParser(prog="sglang-l3", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("doctor", help="check versions, platform, plugin, patches, store")
@@ -40,7 +41,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
     p = sub.add_parser("patches", help="print target fingerprints (no args: re-check series.toml)")
     p.add_argument("targets", nargs="*")
     p.set_defaults(func=_patches)
-    runners: dict[str, object] = {}
+    runners: dict[str, Callable[[argparse.Namespace], int]] = {}
     for name, modname in SUBCOMMANDS:
         try:
             mod = importlib.import_module(modname)
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser, runners = build_parser()
     args = parser.parse_args(argv)
     if args.command in runners:
-        return int(runners[args.command](args))  # type: ignore[operator]
+        return int(runners[args.command](args))
     return int(args.func(args))
 
 

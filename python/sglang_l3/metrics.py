@@ -23,10 +23,11 @@ import os
 import threading
 import time
 from collections import Counter
+from typing import Any
 
 _LOCK = threading.Lock()
 _COUNTS: dict[str, int | float] = {}  # not a Counter: values are also float (seconds)
-_PROM: dict[str, object] = {}
+_PROM: dict[str, Any] = {}  # prometheus_client counters (an optional, untyped import)
 _LAST_PUBLISH = [0.0]
 _TIMER: list[threading.Timer | None] = [None]
 PUBLISH_INTERVAL_S = 1.0
@@ -120,7 +121,7 @@ def _prom_inc(name: str, label: str | None, n: int | float) -> None:
             except ValueError:  # registered in this process under another object
                 return
             _PROM[name] = metric
-    metric.labels(reason=label or "").inc(n)  # type: ignore[attr-defined]
+    metric.labels(reason=label or "").inc(n)
 
 
 # --------------------------------------------------------------------------- #

@@ -253,6 +253,7 @@ class PatchContext:
         fn = _unwrap_descriptor(raw)
         wrapper = make(fn)
         functools.update_wrapper(wrapper, fn)
+        # a function object takes attributes; typeshed's Callable declares none
         wrapper.__sglang_l3_original__ = raw  # type: ignore[attr-defined]
         wrapper.__sglang_l3_patch__ = self.id  # type: ignore[attr-defined]
         if isinstance(raw, staticmethod):

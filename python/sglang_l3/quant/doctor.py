@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-FORMATS = ("v1", "v2")
+from sglang_l3.quant.gptq_ref import ZeroFormat
+
+FORMATS: tuple[ZeroFormat, ...] = ("v1", "v2")
 BITS = (2, 3, 4, 8)
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -54,7 +56,7 @@ def report(dev: Any | None = None) -> dict:
     for bits in BITS:
         for fmt in FORMATS:
             for dtype in DTYPES:
-                plan = dispatch.plan(bits, fmt, dtype, dev, kernels=kernels)  # type: ignore[arg-type]
+                plan = dispatch.plan(bits, fmt, dtype, dev, kernels=kernels)
                 chosen = next((k for k, why in plan if why is None), None)
                 skipped = [(k, why) for k, why in plan if why is not None]
                 table.append(

@@ -544,7 +544,7 @@ class IOEngine:
                 continue
             pages.append(page)
         if not pages:
-            return [r for r in results]  # type: ignore[misc]
+            return [r if r is not None else IOResult(False, "io_error", "not run") for r in results]
         hbuf = self._header_arena(sum(p.hlen for p in pages))
         off = 0
         for p in pages:

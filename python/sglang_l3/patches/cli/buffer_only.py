@@ -50,6 +50,8 @@ def _record_explicit(action: argparse.Action) -> None:
     if getattr(base, "_sglang_l3_recording", False):
         return
 
+    # a subclass of whichever argparse.Action class upstream used: mypy cannot check a
+    # base known only at run time
     class Recording(base):  # type: ignore[valid-type, misc]
         _sglang_l3_recording = True
 
