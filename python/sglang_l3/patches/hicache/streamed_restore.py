@@ -9,8 +9,10 @@ own rather than by upstream's prefetch thread):
   p = a page-aligned fraction of the host KV pool (SGLANG_L3_STREAM_PIECE, 0.4).
 - Rounds 1..k-1 (KV only): reader threads read pieces from the store into host
   slots (`cc.page_get_func`, as upstream's IO thread does) while the scheduler
-  thread copies the landed piece host -> R and frees its slots; at most two pieces
-  are in flight (read concurrently, landed in order), counted in
+  thread copies the landed piece host -> R and frees its slots (each tick launches
+  the next reads before it queues the landed pieces' copies, so a copy that runs on
+  the scheduler thread, as on the CPU stack, overlaps the store's read of the next
+  piece); at most two pieces are in flight (read concurrently, landed in order), counted in
   `prefetch_tokens_occupied` so writes yield to them.
   Completion is MIN-reduced across TP ranks at the end of `check_hicache_events`,
   so every rank lands, fails or aborts the same piece at the same tick.
@@ -573,7 +575,6 @@ def _tick(cache: Any) -> None:
     cache._all_reduce(t, torch.distributed.ReduceOp.MIN)
     agreed = t.tolist()
     cc = cache.cache_controller
-    page = cache.page_size
     at = 0
     retired = sum(agreed[len(agreed) - len(lane.retiring) :]) if lane.retiring else 0
     for r in lane.retiring[:retired]:
@@ -593,6 +594,7 @@ def _tick(cache: Any) -> None:
         info = cache.ongoing_prefetch.get(s.handle)
         if s.state in ("reading", "cutting", "ready", "final") and (info is None or info.operation is not s.op):
             abort_stream(pipe, s, "aborted")
+        landed: list[_Piece] = []  # read everywhere, copied below
         for i in range(MAX_INFLIGHT):
             done, good = reads[2 * i : 2 * i + 2]
             if not done:
@@ -601,16 +603,20 @@ def _tick(cache: Any) -> None:
             if s.state in ("aborting", "cutting"):
                 pass  # read after the stream stopped or was cut: not landed
             elif good == pc.pages:
-                a = pc.first_page * page
-                b = a + pc.pages * page
-                pc.copied = _copy_to_device(cc, pc.host, s.rows[a:b], None if s.rows_host is None else s.rows_host[a:b])
-                s.copying.append(pc)  # its host slots are freed once the copy completed
+                landed.append(pc)
                 s.landed_pages += pc.pages
                 metrics.inc("l3_stream_restore_pieces")
                 continue
             else:
+                _copy_landed(cc, s, landed)  # the cut keeps what landed before the damage
                 _storage_error(cache, s, pc, good)
             _free_piece(pipe, pc)
+        if s.state == "reading":
+            # The next reads first, then the copies: on a device whose copy runs on this
+            # thread (the CPU stack) or takes a while to queue (per-page launches), the
+            # store reads the next piece meanwhile instead of after it.
+            _launch_reads(pipe, s)
+        _copy_landed(cc, s, landed)
         if s.state == "aborting":
             if not s.pieces and not s.copying:
                 _end(pipe, s, s.reason)
@@ -620,10 +626,20 @@ def _tick(cache: Any) -> None:
                 s.state = "ready"  # upstream's final round reads [R, c) and the state at c
             else:
                 _end(pipe, s, "cut_to_upstream")  # nothing landed to keep: the short hit is upstream's
-        if s.state == "reading":
-            _launch_reads(pipe, s)
-            if s.landed_pages == len(s.keys):
-                s.state = "ready"
+        if s.state == "reading" and s.landed_pages == len(s.keys):
+            s.state = "ready"
+
+
+def _copy_landed(cc: Any, s: Stream, landed: list[_Piece]) -> None:
+    """Queue the host -> R copies of `landed` pieces, in order (and empty the list); each
+    piece's host slots are freed once its copy completed (`_tick`)."""
+    page = cc.page_size
+    for pc in landed:
+        a = pc.first_page * page
+        b = a + pc.pages * page
+        pc.copied = _copy_to_device(cc, pc.host, s.rows[a:b], None if s.rows_host is None else s.rows_host[a:b])
+        s.copying.append(pc)
+    landed.clear()
 
 
 def _storage_error(cache: Any, s: Stream, pc: _Piece, good: int) -> None:
