@@ -13,6 +13,8 @@ scheduler passes, share the prefix the first one restores, and hold the right KV
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from sglang_l3 import metrics
 from sglang_l3.patches import framework
@@ -43,6 +45,7 @@ def drive(h, reqs: list, passes: int = MAX_PASSES, after_pass=None) -> dict:
     Returns {rid: (prefix_len at admission, KV rows matched what a model writes)}."""
     st = h.stack
     out: dict = {}
+    t0 = time.monotonic()
     for _ in range(passes):
         h.s._process_hicache_events()
         h.stash_chunk()
@@ -71,8 +74,26 @@ def drive(h, reqs: list, passes: int = MAX_PASSES, after_pass=None) -> dict:
         f"not every request was admitted within {passes} passes (hang): done={out}, "
         f"waiting={[r.rid for r in h.s.waiting_queue]}, streams="
         f"{[(s.handle.rid, s.state, len(s.rows)) for s in lane_of(pipe).streams.values()]}, "
-        f"staged={[k.rid for k in pipe.staged_prefetches]}, free={st.allocator.available_size()}"
+        f"staged={[k.rid for k in pipe.staged_prefetches]}, free={st.allocator.available_size()}; "
+        # where each stream stood (reads in flight and whether done, pages launched and
+        # landed, copies not yet complete), host slots free, and how long the passes took
+        f"pieces={_stream_pieces(pipe)}, host_free={st.cache.cache_controller.mem_pool_host.available_size()}, "
+        f"retiring={len(lane_of(pipe).retiring)}, {time.monotonic() - t0:.1f} s"
     )
+
+
+def _stream_pieces(pipe) -> list:
+    return [
+        (
+            s.handle.rid,
+            [(pc.first_page, pc.pages, pc.future.done()) for pc in s.pieces],
+            s.next_page,
+            s.landed_pages,
+            len(s.keys),
+            len(s.copying),
+        )
+        for s in lane_of(pipe).streams.values()
+    ]
 
 
 def _burst(tmp_path, core: str, n: int, shared: bool, after_pass=None, passes: int = MAX_PASSES) -> tuple[dict, dict]:
