@@ -174,11 +174,14 @@ def lane_of(pipe: Any) -> Lane:
     return lane
 
 
-def read_futures(pipe: Any) -> list[Future]:
-    """The store reads in flight on `pipe`'s streams (a scheduler loop, or a
-    harness standing in for one, may block on them instead of polling)."""
+def landing_futures(pipe: Any) -> list[Future]:
+    """The read each of `pipe`'s streams lands next (its first piece in flight): a
+    scheduler loop, or a harness standing in for one, may block on them instead of
+    polling. Only these: a tick lands pieces in order, so a later piece read first
+    changes nothing until the one before it is done (a loop that woke on it would
+    tick for nothing until then)."""
     lane = pipe.__dict__.get("_l3_stream_lane")
-    return [] if lane is None else [pc.future for s in lane.streams.values() for pc in s.pieces]
+    return [] if lane is None else [s.pieces[0].future for s in lane.streams.values() if s.pieces]
 
 
 def piece_tokens(pipe: Any) -> int:

@@ -1,0 +1,41 @@
+"""What a scheduler-loop stand-in waits on while a streamed restore reads
+(`streamed_restore.landing_futures`, used by `testing.stack.wait_for_work`): the read
+each stream lands next, not every read in flight. A tick lands pieces in order, so a
+loop woken by a later piece read first ticks for nothing; under load a burst test's
+600 passes went by in 0.5 s that way while the leading read was still running
+(issue 33, seed 5)."""
+
+from __future__ import annotations
+
+import types
+from concurrent.futures import Future
+
+import torch
+from sglang_l3.patches.hicache.streamed_restore import Stream, landing_futures, lane_of
+
+
+def _piece(first: int, done: bool) -> types.SimpleNamespace:
+    """A piece in flight as the lane holds it (first page, pages, its read's future)."""
+    f: Future = Future()
+    if done:
+        f.set_result(2)
+    return types.SimpleNamespace(first_page=first, pages=2, future=f)
+
+
+def test_only_the_leading_read_of_each_stream_wakes_the_loop() -> None:
+    pipe = types.SimpleNamespace()
+    lane = lane_of(pipe)
+    rows = torch.zeros(0, dtype=torch.int64)
+    a = Stream(handle="A", op=None, start=0, hit=0, rows=rows, rows_host=None, keys=[], prefix_keys=None, piece_pages=2)
+    b = Stream(handle="B", op=None, start=0, hit=0, rows=rows, rows_host=None, keys=[], prefix_keys=None, piece_pages=2)
+    idle = Stream(
+        handle="C", op=None, start=0, hit=0, rows=rows, rows_host=None, keys=[], prefix_keys=None, piece_pages=2
+    )
+    a.pieces.extend([_piece(24, done=False), _piece(26, done=True)])  # the later read finished first
+    b.pieces.append(_piece(4, done=True))
+    lane.streams.update({"A": a, "B": b, "C": idle})
+    assert landing_futures(pipe) == [a.pieces[0].future, b.pieces[0].future]
+    del lane.streams["B"]
+    got = landing_futures(pipe)
+    assert got == [a.pieces[0].future] and not any(f.done() for f in got), "only A's leading read, still running"
+    assert landing_futures(types.SimpleNamespace()) == []
