@@ -300,9 +300,11 @@ def touch_host_pools(cc: Any) -> None:
 
 def restore_busy(st: Any, seq: list[int], *, check_forward: bool = False) -> tuple[Any, int]:
     """`L3Stack.restore` with a scheduler-loop stand-in that ticks as soon as there
-    is work: it blocks on the streamed restore's piece reads (an event), else
-    polls every 0.5 ms (`testing.stack.wait_for_work`). No forward-time check
-    unless `check_forward` (see measure_restore)."""
+    is work, as upstream's loop does while a prefetch is in progress: at once when a
+    piece copy completed (its host slots go to the next read), else it blocks on the
+    read the streamed restore lands next (an event), else polls every 0.5 ms
+    (`testing.stack.wait_for_work`). No forward-time check unless `check_forward`
+    (see measure_restore)."""
     from array import array
 
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle

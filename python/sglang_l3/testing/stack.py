@@ -131,15 +131,19 @@ STREAM_WAIT_S = 0.05
 
 
 def wait_for_work(cache: Any) -> None:
-    """Block until the next tick has something to do: the read a streamed restore
+    """Block until the next tick has something to do, as upstream's scheduler loop,
+    which ticks again at once while a prefetch is in progress: a copy completed whose
+    host slots the tick frees (and hands to the next read: on the CPU stack the copy
+    runs inside the tick, so that is right after it), or the read a streamed restore
     lands next completes (an event, via its future; a later piece read first lands
-    nothing, so it does not wake the loop: 600 passes once went by in 0.5 s that
-    way, issue 33), else PUMP_PERIOD_S. A scheduler
-    loop ticks once per batch; this stand-in neither spins a core away from the
-    store's reader thread nor sleeps past a landed piece."""
-    from sglang_l3.patches.hicache.streamed_restore import landing_futures
+    nothing, so it does not wake the loop: 600 passes once went by in 0.5 s that way,
+    issue 33), else PUMP_PERIOD_S. This stand-in neither spins a core away from the
+    store's reader thread nor sleeps past a landed piece or a freed slot."""
+    from sglang_l3.patches.hicache.streamed_restore import copies_completed, landing_futures
 
     pipe = getattr(cache, "buffer_pipeline", None)
+    if pipe is not None and copies_completed(pipe):
+        return
     pieces = landing_futures(pipe) if pipe is not None else []
     if pieces and not any(f.done() for f in pieces):
         futures_wait(pieces, timeout=STREAM_WAIT_S, return_when=FIRST_COMPLETED)

@@ -184,6 +184,20 @@ def landing_futures(pipe: Any) -> list[Future]:
     return [] if lane is None else [s.pieces[0].future for s in lane.streams.values() if s.pieces]
 
 
+def copies_completed(pipe: Any) -> bool:
+    """Whether a copy of `pipe`'s streams has completed here and its buffers wait for the
+    next tick to be freed (a stream's oldest copy, or a retiring one). Upstream's scheduler
+    loop ticks again at once while a prefetch is in progress (`on_idle`: `time.sleep(0)`),
+    so the freed host slots take the next read then, beside the one in flight; a harness
+    standing in for that loop ticks now rather than sleep until the next piece lands."""
+    lane = pipe.__dict__.get("_l3_stream_lane")
+    if lane is None:
+        return False
+    firsts = [s.copying[0].copied for s in lane.streams.values() if s.copying]
+    firsts += [r.copied for r in lane.retiring[:1]]
+    return any(bool(ev.query()) for ev in firsts)
+
+
 def piece_tokens(pipe: Any) -> int:
     cache = pipe._cache
     page = cache.page_size
