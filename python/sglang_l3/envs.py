@@ -168,7 +168,8 @@ _VARS = (
         "restore, to prove SGLANG_L3_VERIFY=1 catches a rank disagreement; skip-load-fence removes the streamed "
         "restore's fence on the forward stream, to prove the simulated-stream tests catch it; stream-hold@PATH makes "
         "streamed restores start no read while PATH exists (at most 120 s), to queue requests behind a stream in "
-        "flight; honoured only while the CPU switch or the simulated device is active (sglang_l3.faults), ignored "
+        "flight; read-hold@PATH blocks a streamed restore's reads past the first K pieces (K: PATH's content) while "
+        "PATH exists (at most 120 s), to abort a request with reads in flight; honoured only while the CPU switch or the simulated device is active (sglang_l3.faults), ignored "
         "elsewhere; never set in production",
         "tests",
     ),

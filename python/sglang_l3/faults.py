@@ -10,6 +10,10 @@ the CPU switch or the simulated device (never next to an accelerator):
   forward stream (the simulated-stream tests must then fail);
 - stream-hold@PATH: streamed restores start no read while PATH exists, for at most
   HOLD_S from when it was first seen (`held`);
+- read-hold@PATH: a streamed restore's store reads of pieces past the first K (K: the
+  integer PATH holds, 0 when it is empty) block in the reader thread while PATH exists,
+  for at most HOLD_S from when it was first seen, so a test can abort a request while
+  its reads are in flight after K pieces landed (`hold_read`);
 - restore-fallback@RANK: that TP rank alone falls back on its first restore, once per
   process (`spend`), to prove SGLANG_L3_VERIFY=1 catches a rank disagreement;
 - cut-not-wait: a streamed restore the device cannot take now is cut to what fits
@@ -26,9 +30,10 @@ from sglang_l3 import envs
 ENV = "SGLANG_L3_TEST_FAULT"
 SKIP_LOAD_FENCE = "skip-load-fence"
 STREAM_HOLD = "stream-hold"
+READ_HOLD = "read-hold"
 RESTORE_FALLBACK = "restore-fallback"
 CUT_NOT_WAIT = "cut-not-wait"
-NAMES = (SKIP_LOAD_FENCE, STREAM_HOLD, RESTORE_FALLBACK, CUT_NOT_WAIT)
+NAMES = (SKIP_LOAD_FENCE, STREAM_HOLD, READ_HOLD, RESTORE_FALLBACK, CUT_NOT_WAIT)
 
 
 class FaultError(ValueError):
@@ -69,6 +74,13 @@ def spend(name: str) -> None:
 def held(name: str = STREAM_HOLD) -> bool:
     """An active `name@PATH` hold: PATH exists, first seen less than HOLD_S ago."""
     return _set() and bool(_machinery().held(name))
+
+
+def hold_read(piece: int) -> None:
+    """Block (a reader thread) while an active `read-hold@PATH` holds reads of `piece`
+    (0-based, in the stream's order)."""
+    if _set():
+        _machinery().hold_read(piece)
 
 
 def changed(key: str, value: object) -> bool:

@@ -25,6 +25,8 @@ cores).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import shutil
@@ -32,6 +34,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from l3_e2e import PAGE_SIZE, PREFETCH_THRESHOLD, STARTUP_TIMEOUT
@@ -266,3 +269,115 @@ def test_tp2_watchdog_ends_the_hang(burst: Burst) -> None:
         rids = [re.search(r"req=(\S+)", ln).group(1) for ln in lines]
         assert len(rids) == 2 and len(set(rids)) == 1, lines
         assert VERIFY_FAIL not in text
+
+
+# --------------------------------------------------------------------------- #
+# Issue 48: an abort at any point of a streamed restore, through the real server
+# --------------------------------------------------------------------------- #
+PIECE_PAGES = 2  # 0.4 of the 384-token host pool, page-floored: 128 tokens
+STREAM_PIECES = (len(PREFIX) // PAGE_SIZE - 1) // PIECE_PAGES  # R: every piece but the final round's
+WAITING_TIMEOUT_S = 20  # SGLANG_REQ_WAITING_TIMEOUT of the TP=2 server (its timeout case)
+ABORTED = re.compile(r"streamed restore aborted req=(\S+) reason=aborted landed=(\d+)/(\d+)")
+LEAK = "memory leak detected"
+# (how, k): abort once k of the stream's pieces landed and the reads of the next ones are
+# held in flight (test fault read-hold); how: /abort_request, a client that disconnects,
+# or upstream's waiting-queue timeout (SGLANG_REQ_WAITING_TIMEOUT)
+ABORTS = {
+    1: [("abort_request", 0), ("abort_request", 1), ("abort_request", STREAM_PIECES - 1), ("disconnect", 2)],
+    2: [
+        ("abort_request", 0),
+        ("abort_request", 2),
+        ("abort_request", STREAM_PIECES - 1),
+        ("disconnect", 1),
+        ("timeout", 2),
+    ],
+}
+
+
+def _disconnecting_client(s: Server, ids: list[int], rid: str) -> Any:
+    """A streamed /generate whose client goes away (the socket closed) when told."""
+    import http.client
+
+    conn = http.client.HTTPConnection(s.base.split("//", 1)[1], timeout=REQUEST_TIMEOUT)
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": NEW},
+        "stream": True,
+        "rid": rid,
+    }
+    conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    return conn
+
+
+@pytest.mark.parametrize(
+    ("burst", "core"),
+    [pytest.param(1, "python", id="tp1-python"), pytest.param(2, "rust", id="tp2-rust")],
+    indirect=["burst"],
+)
+def test_abort_mid_restore_keeps_the_server(burst: Burst, core: str) -> None:
+    """Issue 48: a request whose 2,176-token prefix streams back from L3 is aborted after
+    k of its 16 pieces landed, with the next reads in flight, by /abort_request, by its
+    client disconnecting and (TP=2) by upstream's waiting-queue timeout, with upstream's
+    strict idle leak check on (its default). Before the fix the scheduler went idle while
+    the aborted stream still held its rows and exited on `pool memory leak detected`.
+    After each abort the server stays up and flushes; at the end the same request is
+    answered as the no-cache server answers it, its prefix restored from L3."""
+    ref = burst.reference()
+    store = burst.store(f"abort-{core}")
+    read_gate = burst.root / f"read-hold-{core}.gate"
+    env = {
+        "SGLANG_L3_TEST_FAULT": f"stream-hold@{burst.gate},read-hold@{read_gate}",
+        "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": core,
+        "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",  # upstream's default, stated
+    }
+    if burst.tp == 2:
+        env["SGLANG_REQ_WAITING_TIMEOUT"] = str(WAITING_TIMEOUT_S)
+    cfg = burst.config(store, "wait_complete", env)
+    x = BURSTS[2][0]
+    with Server(cfg, burst.root / f"abort-{core}.log", startup_timeout=STARTUP_TIMEOUT) as s:
+        with bounded(TEST_BOUND * 2, f"aborts mid-restore at TP={burst.tp}", lambda: [s]):
+            burst.write_prefix(s, store)
+            for how, k in ABORTS[burst.tp]:
+                what = f"{how} after {k} of {STREAM_PIECES} pieces (TP={burst.tp}, {core})"
+                flush(s, f"flush before {what}")
+                rid = f"abort-{how}-{k}"
+                read_gate.write_text(str(k))
+                mark = len(s.log_text())
+                client = None
+                if how == "disconnect":
+                    client = _disconnecting_client(s, x, rid)
+                else:
+                    _send_aborted(s, x, rid)
+                # piece k's read is held: the pieces before it were read (and land as copies)
+                _wait_log(s, mark, rf"read-hold: piece {k} of a streamed restore waits", f"{what}: reads held")
+                time.sleep(1.0)  # the pieces read before the hold land meanwhile (not asserted on)
+                if how == "abort_request":
+                    s.abort(rid)
+                elif client is not None:
+                    client.close()
+                _wait_log(s, mark, rf"streamed restore aborted req={rid} reason=aborted", f"{what}: the abort")
+                # the scheduler now has no request: upstream's idle check runs while the
+                # aborted stream's reads are still held in flight
+                time.sleep(2.0)
+                assert s.alive() and LEAK not in s.log_text()[mark:], f"{what}: the server died\n{s.log_tail(80)}"
+                read_gate.unlink()
+                flush(s, f"flush after {what}")  # refused until the stream has freed its rows
+                text = s.log_text()[mark:]
+                assert s.alive() and LEAK not in text, f"{what}: the server died\n{s.log_tail(80)}"
+                landed = [int(m[1]) for m in ABORTED.findall(text) if m[0] == rid]
+                assert len(landed) == burst.tp, (what, landed)  # one line per rank, the same point
+                assert len(set(landed)) == 1 and landed[0] <= k * PIECE_PAGES, (what, landed)
+            g = generate(s, x, NEW, "the request after the aborts")
+            same_output(g, ref[2][0], f"X1 after the aborts (TP={burst.tp}, {core}) vs no-cache")
+            assert g.cached_storage == len(PREFIX), (g.meta, "the prefix restored from L3")
+        assert s.alive() and LEAK not in s.log_text()
+
+
+def _send_aborted(s: Server, ids: list[int], rid: str) -> None:
+    """A request the test aborts: its answer (an abort, or an error) is not looked at."""
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            s.generate(ids, NEW, timeout=REQUEST_TIMEOUT, rid=rid)
+
+    threading.Thread(target=run, name=rid, daemon=True).start()

@@ -42,6 +42,7 @@ def core(request) -> str:
 # SGLANG_L3_SIM_STREAMS=N, every test of them runs under seed N only.
 SEEDS = seeds()
 SIM_FILES = {
+    "test_abort_idle_check.py",
     "test_damage_fallback.py",
     "test_eager_page_hash.py",
     "test_l3_restore.py",

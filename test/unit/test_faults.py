@@ -83,6 +83,24 @@ def test_hold_lasts_while_the_gate_exists_at_most_hold_s(fresh, monkeypatch, tmp
     assert faults.held()  # a new gate holds again
 
 
+def test_read_hold_lets_the_first_k_pieces_through_and_blocks_the_rest(fresh, monkeypatch, tmp_path) -> None:
+    import threading
+
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(faults.ENV, f"{faults.READ_HOLD}@{gate}")
+    faults.hold_read(5)  # no gate: nothing held
+    gate.write_text("2")
+    faults.hold_read(0)
+    faults.hold_read(1)  # the first two pieces pass
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (faults.hold_read(2), done.set()), daemon=True)
+    t.start()
+    assert not done.wait(0.3), "piece 2 must wait while the gate exists"
+    gate.unlink()
+    assert done.wait(30), "removing the gate releases the read"
+    t.join(5)
+
+
 def test_changed_reports_each_change_once(fresh) -> None:
     assert faults.changed("k-test", 1) and not faults.changed("k-test", 1) and faults.changed("k-test", 2)
 

@@ -15,7 +15,7 @@ import os
 import time
 
 from sglang_l3 import envs
-from sglang_l3.faults import ENV, NAMES, STREAM_HOLD, FaultError
+from sglang_l3.faults import ENV, NAMES, READ_HOLD, STREAM_HOLD, FaultError
 
 logger = logging.getLogger("sglang_l3.faults")
 
@@ -94,3 +94,27 @@ def held(name: str = STREAM_HOLD) -> bool:
         return False
     since = _HOLD_SINCE.setdefault(name, time.monotonic())
     return time.monotonic() - since < HOLD_S
+
+
+def hold_read(piece: int) -> None:
+    """Wait while `read-hold@PATH` holds reads of `piece`: PATH exists, `piece` is not
+    among the first K it lets through (K: the integer in PATH, 0 when empty), and the
+    hold was first seen less than HOLD_S ago."""
+    path = argument(READ_HOLD)
+    if path is None:
+        return
+    while True:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except FileNotFoundError:
+            _HOLD_SINCE.pop(READ_HOLD, None)
+            return
+        if piece < (int(text) if text else 0):
+            return
+        since = _HOLD_SINCE.setdefault(READ_HOLD, time.monotonic())
+        if time.monotonic() - since >= HOLD_S:
+            return
+        if changed("read-hold", (piece, since)):
+            logger.warning("read-hold: piece %d of a streamed restore waits for %s", piece, path)
+        time.sleep(0.02)

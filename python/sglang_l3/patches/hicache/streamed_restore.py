@@ -47,6 +47,9 @@ own rather than by upstream's prefetch thread):
   a piece (cut, or revoked and recomputed),
   abort (upstream retires the op; our tick sees it gone), a staged hold released
   (abort, shrunk, device capacity), or `reset` (pools are cleared wholesale there).
+  Until then the pipeline is not idle (`is_idle`), so upstream's scheduler neither
+  runs its idle leak check over rows a stream still holds nor sleeps past the tick
+  that frees them.
 - Busy device rows: when free + evictable device tokens cannot take the whole hit
   but the device pool could (other requests, streams or queued L3 writes hold the
   rest), the op stays parked (holding nothing) and is retried every tick until they
@@ -174,6 +177,13 @@ def lane_of(pipe: Any) -> Lane:
     return lane
 
 
+def holds_buffers(pipe: Any) -> bool:
+    """Whether `pipe`'s streams still hold device rows or host slots: a stream not yet
+    ended, or copies of ended ones still in flight (freed by a later tick)."""
+    lane = pipe.__dict__.get("_l3_stream_lane")
+    return lane is not None and bool(lane.streams or lane.retiring)
+
+
 def landing_futures(pipe: Any) -> list[Future]:
     """The read each of `pipe`'s streams lands next (its first piece in flight): a
     scheduler loop, or a harness standing in for one, may block on them instead of
@@ -207,9 +217,16 @@ def piece_tokens(pipe: Any) -> int:
 
 
 # --------------------------------------------------------------------------- IO
-def _read_piece(cc: Any, op: Any, keys: list[str], host: torch.Tensor, prefix_keys: list[str] | None) -> int:
+def _read_piece(
+    cc: Any, op: Any, keys: list[str], host: torch.Tensor, prefix_keys: list[str] | None, piece: int
+) -> int:
     """Store -> host slots (reader thread). Returns the leading pages read."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    from sglang_l3 import faults
+
+    if faults.active(faults.READ_HOLD):
+        faults.hold_read(piece)
 
     page = cc.page_size
     done = 0
@@ -502,7 +519,8 @@ def _launch_reads(pipe: Any, s: Stream) -> None:
         cc.prefetch_tokens_occupied += n * page
         keys = s.keys[s.next_page : s.next_page + n]
         prefix = None if s.prefix_keys is None else s.prefix_keys + s.keys[: s.next_page]
-        fut = lane_of(pipe).executor().submit(_read_piece, cc, s.op, keys, host, prefix)
+        piece = s.next_page // s.piece_pages
+        fut = lane_of(pipe).executor().submit(_read_piece, cc, s.op, keys, host, prefix, piece)
         s.pieces.append(_Piece(s.next_page, n, host, fut))
         s.next_page += n
 
@@ -882,6 +900,13 @@ def apply(ctx: PatchContext) -> None:
             lane.retiring.clear()
         orig(self)
 
+    def is_idle(orig: Any, self: Any) -> bool:
+        # Upstream's scheduler checks its pools for leaks whenever it is fully idle, and
+        # idle includes this pipeline's own verdict: rows R and host slots of a stream that
+        # is still ending (an abort lands between ticks; copies in flight are acked later)
+        # are in no count of its check. Not idle until the tick has freed them.
+        return bool(orig(self)) and not holds_buffers(self)
+
     def local_drain(orig: Any, self: Any) -> None:
         lane = lane_of(self.buffer_pipeline) if self.buffer_pipeline is not None else None
         if lane is None:
@@ -898,6 +923,7 @@ def apply(ctx: PatchContext) -> None:
     ctx.around(f"{PIPE}._allocate_and_queue_load_back", load_back)
     ctx.around(f"{PIPE}.release_staged_hold", release_staged)
     ctx.around(f"{PIPE}.reset", reset)
+    ctx.around(f"{PIPE}.is_idle", is_idle)
     ctx.around(f"{URC}.check_prefetch_progress", progress)
     ctx.around(f"{URC}.check_hicache_events", events)
     ctx.around(f"{ADDER}.add_one_req", add_one_req)
