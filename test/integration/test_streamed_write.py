@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 from sglang_l3 import metrics
+from sglang_l3.testing import idle_check
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
 
 KV_SIZE = 4096
@@ -44,7 +45,11 @@ def write_small(tmp_path, page_size: int, core: str, times: int) -> tuple[list[i
         seq = list(range(7, 7 + n))
         before = metrics.get("l3_stream_write_windows")
         want = w.write(seq, marker=3.0)
+        for _ in range(20):  # issue 48's audit: windows in flight hold only rows upstream's check sees
+            w.cache.check_hicache_events()
+            assert not idle_check.pool_leaks(w)
         w.settle()
+        assert idle_check.check(w, "the write settled")
         pipe = w.cache.buffer_pipeline
         windows = metrics.get("l3_stream_write_windows") - before
         assert not pipe.inflight_backup_pools and not pipe.pending_write_queue and not pipe.ongoing_backup

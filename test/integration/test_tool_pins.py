@@ -18,6 +18,7 @@ import pytest
 from sglang_l3 import metrics
 from sglang_l3.patches.sessions import tool_pins as tp
 from sglang_l3.sessions.pin_book import EXPIRED, METHOD, PIN, RETURNED
+from sglang_l3.testing import idle_check
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import HybridSpec, L3Stack
 
@@ -81,8 +82,11 @@ def test_a_pinned_context_is_evicted_last(tmp_path, core, pinned):
         before = _counts()
         if pinned:
             _pin(st, "agent-a", 1000)
+            # issue 48's audit: a pin holds no row of its own; upstream's idle check holds
+            assert not idle_check.pool_leaks(st) and idle_check.check(st, "a context pinned")
         _serve(h, D, None)  # needs rows: one context goes
         if pinned:
+            assert not idle_check.pool_leaks(st)
             assert _on_device(st, A) == FULL, "the pinned context was evicted"
             assert _on_device(st, B) < FULL, "the least recently used unpinned context stayed"
             tp.apply_message(st.cache, {"op": RETURNED, "session": "agent-a"})

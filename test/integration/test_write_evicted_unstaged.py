@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 from sglang_l3 import metrics
 from sglang_l3.patches.hicache import write_guard
+from sglang_l3.testing import idle_check
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
 
 PAGE = 64
@@ -36,13 +37,17 @@ def _write_then_evict(tmp_path, core: str, *, flush_first: bool, guarded: bool =
         if not flush_first:
             assert pipe.pending_write_queue, "the write must still be queued (not staged)"
             assert bool(write_guard.guarded_nodes(pipe)) == guarded
+            # issue 48's audit: guarded rows are upstream tree locks (counted as protected)
+            assert not idle_check.pool_leaks(w)
         w.evict_all(stage_queued_writes=False)
+        assert not idle_check.pool_leaks(w)
         kept = w.match(SEQ).device_prefix_len
         if flush_first or not guarded:
             assert kept == 0, "the node must have left the device"
         else:
             assert kept == len(SEQ), "a node whose write is queued must stay on the device"
         w.settle(timeout=120)
+        assert idle_check.check(w, "the write settled"), "the pipeline must be idle once the write is done"
         assert not pipe.pending_write_queue and not pipe.inflight_backup_pools
         assert not write_guard.guarded_nodes(pipe)
         w.evict_all()
