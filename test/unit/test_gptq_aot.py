@@ -1,11 +1,13 @@
-"""Ahead-of-time compile of the Triton GPTQ kernel for gfx1100 (RDNA3), no GPU needed.
+"""Ahead-of-time compile of the Triton GPTQ kernels for gfx1100 (RDNA3), no GPU needed.
 
-Every launch config the dispatcher can pick for 4-bit (each M bucket, sequential
-groups and act-order g_idx), and the decode config for 2/3/8-bit, is compiled by
-Triton's AMD backend (bundled LLVM + linker in the pinned triton wheel). Checked
-from the emitted ISA and its AMDGPU metadata: the dot products lower to WMMA
-(v_wmma_f32_16x16x16_{f16,bf16}); the common decode shapes (4-bit, group 128,
-M <= 16) do not spill VGPRs; no variant spills heavily. `-v` prints the table;
+Every launch config the dispatcher can pick for 4-bit on gfx1100 (gfx1100's
+decode table: the GEMV kernel holding 1, 2 and 4 rows and tl.dot split over K;
+each tl.dot M bucket above it; sequential groups and act-order g_idx), the
+decode configs for 2/3/8-bit, and the split-K reduction are compiled by Triton's
+AMD backend (bundled LLVM + linker in the pinned triton wheel). Checked from the
+emitted ISA and its AMDGPU metadata: the tl.dot kernels lower to WMMA
+(v_wmma_f32_16x16x16_{f16,bf16}); nothing the decode path launches (M <= 16,
+every bit width) spills VGPRs; no variant spills heavily. `-v` prints the table;
 `python -m sglang_l3.quant.gptq_triton` prints it standalone.
 Select with `-m aot`; runs in the default CPU suite.
 """
@@ -30,27 +32,53 @@ def table():
         pytest.skip("TRITON_INTERPRET=1 in this process: Triton cannot compile here")
     if importlib.util.find_spec("triton.backends.amd") is None:
         pytest.skip("this triton wheel has no AMD backend")
-    return [(v, T.aot_compile(b, dt, cfg, has_gidx=g)) for v in T.aot_variants() for b, dt, cfg, g in [v]]
+    return [(v, T.aot_compile(b, dt, cfg, has_gidx=g)) for v in T.aot_variants("gfx1100") for b, dt, cfg, g in [v]]
 
 
-def test_every_variant_uses_wmma(table, request, capsys) -> None:
+@pytest.fixture(scope="module")
+def reduce_reports():
+    from sglang_l3.quant import gptq_triton as T
+
+    if T.interpreting() or importlib.util.find_spec("triton.backends.amd") is None:
+        pytest.skip("no AOT compile here")
+    return [T.aot_compile_reduce(dt) for dt in (torch.float16, torch.bfloat16)]
+
+
+def test_every_dot_variant_uses_wmma(table, request, capsys) -> None:
     if request.config.getoption("verbose") > 0:
         with capsys.disabled():
-            print(f"\n{'variant':44s} {'wmma':28s} {'vgpr':>4s} {'spill':>5s} {'scratch':>7s}")
+            print(f"\n{'variant':60s} {'wmma':28s} {'vgpr':>4s} {'spill':>5s} {'scratch':>7s}")
             for _, r in table:
                 print(
-                    f"{r.variant:44s} {','.join(r.wmma) or 'NONE':28s} {r.vgpr:4d} {r.spills:5d} {r.scratch_bytes:7d}"
+                    f"{r.variant:60s} {','.join(r.wmma) or 'NONE':28s} {r.vgpr:4d} {r.spills:5d} {r.scratch_bytes:7d}"
                 )
-    for (_bits, dtype, _cfg, _gidx), r in table:
+    for (_bits, dtype, cfg, _gidx), r in table:
+        assert r.arch == "gfx1100" and 0 < r.vgpr <= 256
+        if cfg.kind == "gemv":
+            assert not r.wmma, r  # no tl.dot in the GEMV kernel
+            continue
         want = "v_wmma_f32_16x16x16_f16" if dtype == torch.float16 else "v_wmma_f32_16x16x16_bf16"
         assert want in r.wmma, f"{r.variant}: no {want} (found {r.wmma})"
-        assert r.arch == "gfx1100" and 0 < r.vgpr <= 256
 
 
-def test_decode_shapes_do_not_spill(table) -> None:
-    decode = [r for (bits, _, cfg, gidx), r in table if bits == 4 and cfg.BM == 16 and not gidx]
-    assert len(decode) == 2  # fp16, bf16
-    for r in decode:
+def test_the_table_covers_every_decode_launch() -> None:
+    """What dispatch launches at M <= 16 on gfx1100 is in the compiled set."""
+    from sglang_l3.quant import gptq_triton as T
+
+    compiled = {(cfg.kind, cfg.BM, cfg.BN, cfg.BK, cfg.num_warps) for _, _, cfg, _ in T.aot_variants("gfx1100")}
+    for m in range(1, 17):
+        for gs, gidx in ((128, False), (128, True), (32, False)):
+            c = T.pick_config(m, gs, gidx, K=5120, N=7168, bits=4, arch="gfx1100", cus=96)
+            if gs == 128:
+                assert (c.kind, c.BM, c.BN, c.BK, c.num_warps) in compiled, c
+            assert c.kind == ("gemv" if m <= 4 else "dot") and c.split_k > 1, c
+
+
+def test_decode_shapes_do_not_spill(table, reduce_reports) -> None:
+    decode = [r for (_, _, cfg, _), r in table if cfg.kind == "gemv" or cfg.split_k > 1]
+    # fp16 + bf16: 4-bit GEMV (BM 1/2/4) and split-K tl.dot, seq and g_idx; 2/3/8-bit BM1 + tl.dot
+    assert len(decode) == 2 * (4 * 2 + 3 * 2), [r.variant for r in decode]
+    for r in decode + reduce_reports:
         assert r.spills == 0 and r.scratch_bytes == 0, r
 
 

@@ -22,6 +22,7 @@ GROUPS = ((32, False), (64, True), (-1, False))  # (group_size, act_order)
 DTYPES = ("float16", "bfloat16")
 K, N = 128, 64  # the combinations: one N tile, four K tiles
 KM, NM = 256, 96  # the launch-bucket cases: N=96 > BN=64 exercises the N tail
+LAUNCH_MS = (1, 2, 3, 5, 16, 19, 40, 70)  # GEMV 1/2/4 rows, split-K tl.dot, each tl.dot tile
 COMBOS = list(itertools.product(BITS, GROUPS, (True, False), ("v1", "v2"), DTYPES))
 
 
@@ -70,7 +71,7 @@ def _child(out_path: str) -> None:
             seed=seed,
         )
 
-    # 1. every combination, M=5 (the decode tile), plus the negative controls
+    # 1. every combination, M=5 (tl.dot split over K), plus the negative controls
     sanitize(False)
     for c in COMBOS:
         bits, (gs, act), sym, fmt, dt = c
@@ -85,7 +86,7 @@ def _child(out_path: str) -> None:
         entry = {
             "good": _cmp(R.compare(out, ref, dtype)),
             "wrong_format": _cmp(R.compare(bad_fmt, ref, dtype)),
-            "config": T.pick_config(5, K if gs == -1 else gs, act).name,
+            "config": T.pick_config(5, K if gs == -1 else gs, act, K=K, N=N, bits=bits, arch="cpu").name,
         }
         if act:
             no_gidx = T.gptq_gemm(x, L.qweight, L.qzeros, L.scales, None, bits, gs, fmt)
@@ -97,13 +98,13 @@ def _child(out_path: str) -> None:
     for bits, gs, act, dt in ((4, 128, False, "float16"), (3, 64, True, "bfloat16"), (8, -1, False, "float16")):
         dtype = getattr(torch, dt)
         L = layer(bits, gs, act, False, "v2", dtype, seed=3, k=KM, n=NM)
-        for m in (1, 19, 40, 70):
+        for m in LAUNCH_MS:
             x = R.check_inputs(m, KM, dtype, "cpu", seed=m)
             ref = R.reference_matmul(x, L.qweight, L.qzeros, L.scales, L.g_idx, bits, "v2")
             out = T.gptq_gemm(x, L.qweight, L.qzeros, L.scales, L.g_idx if act else None, bits, gs, "v2")
             res[f"m{m}-b{bits}-g{gs}-{dt}"] = {
                 "good": _cmp(R.compare(out, ref, dtype)),
-                "config": T.pick_config(m, KM if gs == -1 else gs, act).name,
+                "config": T.pick_config(m, KM if gs == -1 else gs, act, K=KM, N=NM, bits=bits, arch="cpu").name,
             }
     sanitize(False)
 
@@ -198,11 +199,14 @@ def test_negative_controls_are_caught(interp, combo) -> None:
         assert not r["ignored_g_idx"]["ok"], r["ignored_g_idx"]
 
 
-@pytest.mark.parametrize("m", (1, 19, 40, 70))
+@pytest.mark.parametrize("m", LAUNCH_MS)
 @pytest.mark.parametrize("layer", ("b4-g128-float16", "b3-g64-bfloat16", "b8-g-1-float16"))
 def test_every_launch_bucket(interp, m, layer) -> None:
     r = interp[f"m{m}-{layer}"]
     assert r["good"]["ok"], r
+    kind = r["config"].split("-")[0]
+    assert kind == ("gemv" if m <= 4 else "dot"), r["config"]
+    assert ("-split" in r["config"]) == (m <= 16), r["config"]  # this layer's K splits on the CPU table
 
 
 def test_dispatch_picks_triton_and_fixes_misdeclared_v2(interp) -> None:

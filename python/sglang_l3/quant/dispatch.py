@@ -8,8 +8,8 @@ Order (first that is available *and* passes the self-check wins):
   3. our Triton fused dequant-GEMM
   4. the torch reference (dequantize + matmul)
 
-Self-check: every candidate runs on the real layer (one M per Triton tile
-bucket, a spread of output columns) and is compared with the fp32 reference
+Self-check: every candidate runs on the real layer (CHECK_MS: one M per Triton
+launch shape, a spread of output columns) and is compared with the fp32 reference
 built from the checkpoint tensors as loaded. A mismatch or an exception is
 logged as an error naming the layer, and the next kernel is tried: a kernel that
 has never run on this GPU must not produce garbage silently.
@@ -38,6 +38,10 @@ logger = logging.getLogger("sglang_l3.quant")
 ENV_OPS = "SGLANG_L3_GPTQ_OPS"
 ENV_NATIVE = "SGLANG_L3_GPTQ_NATIVE"  # "0": never probe native ops
 NATIVE_ARCHS = ("gfx1100",)
+# The self-check's M values: one per Triton launch shape (gptq_triton.pick_config):
+# GEMV holding 1, 2 and 4 rows (M = 3 also checks the masked fourth row), tl.dot with
+# a split over K (M <= 16), then the 32- and 64-row tl.dot tiles.
+CHECK_MS = (1, 2, 3, 8, 19, 40)
 Runner = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -146,14 +150,17 @@ class TritonKernel(GemmKernel):
         return None
 
     def prepare(self, layer, dtype):
-        from sglang_l3.quant.gptq_triton import gptq_gemm
+        from sglang_l3.quant.gptq_triton import arch_key, gptq_gemm
 
         qw, qz, s, g = layer.qweight, layer.qzeros, layer.scales, layer.g_idx
         bits, gs, fmt = layer.bits, layer.group_size, layer.fmt
         tensors = {"qweight": qw, "qzeros": qz, "scales": s}
         if g is not None:
             tensors["g_idx"] = g
-        return Prepared(lambda x: gptq_gemm(x, qw, qz, s, g, bits, gs, fmt), tensors)
+        # the launch shape is picked per call from M (GEMV / split-K / tiles), from
+        # this architecture's table: no autotune at request time
+        arch = arch_key(qw.device)
+        return Prepared(lambda x: gptq_gemm(x, qw, qz, s, g, bits, gs, fmt, arch=arch), tensors)
 
 
 # --------------------------------------------------------------------------- #
@@ -485,13 +492,13 @@ def self_check(
     group_size: int,
     act_order: bool,
     dtype: torch.dtype,
-    m_values: Sequence[int] = (1, 19, 40),
+    m_values: Sequence[int] = CHECK_MS,
     max_cols: int = 64,
 ) -> ref.Comparison:
     """Run the layer's kernel on a slice of the real layer and compare with the fp32
     reference built from the checkpoint tensors and the load-time decisions (zero
     format, act-order), never from anything a kernel's prepare() produced.
-    One M per Triton launch bucket. Returns the first failure, else the worst."""
+    One M per Triton launch shape. Returns the first failure, else the worst."""
     device = ck.qweight.device
     k, n = ck.qweight.shape[0] * 32 // bits, ck.qweight.shape[1]
     cols = torch.linspace(0, n - 1, steps=min(n, max_cols), device=device).round().long().unique()
