@@ -217,16 +217,9 @@ def piece_tokens(pipe: Any) -> int:
 
 
 # --------------------------------------------------------------------------- IO
-def _read_piece(
-    cc: Any, op: Any, keys: list[str], host: torch.Tensor, prefix_keys: list[str] | None, piece: int
-) -> int:
+def _read_piece(cc: Any, op: Any, keys: list[str], host: torch.Tensor, prefix_keys: list[str] | None) -> int:
     """Store -> host slots (reader thread). Returns the leading pages read."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
-
-    from sglang_l3 import faults
-
-    if faults.active(faults.READ_HOLD):
-        faults.hold_read(piece)
 
     page = cc.page_size
     done = 0
@@ -250,6 +243,14 @@ def _read_piece(
             if prefix is not None:
                 prefix = prefix + batch
     return done
+
+
+def _read_held_piece(piece: int, *args: Any) -> int:
+    """`_read_piece` behind the test fault read-hold (`sglang_l3.faults.hold_read`)."""
+    from sglang_l3 import faults
+
+    faults.hold_read(piece)
+    return _read_piece(*args)
 
 
 def _copy_to_device(cc: Any, host: torch.Tensor, rows: torch.Tensor, rows_host: torch.Tensor | None) -> Any:
@@ -506,6 +507,8 @@ def _held(pipe: Any) -> bool:
 
 
 def _launch_reads(pipe: Any, s: Stream) -> None:
+    from sglang_l3 import faults
+
     if _held(pipe):
         return
     cc = pipe._cache.cache_controller
@@ -519,8 +522,11 @@ def _launch_reads(pipe: Any, s: Stream) -> None:
         cc.prefetch_tokens_occupied += n * page
         keys = s.keys[s.next_page : s.next_page + n]
         prefix = None if s.prefix_keys is None else s.prefix_keys + s.keys[: s.next_page]
-        piece = s.next_page // s.piece_pages
-        fut = lane_of(pipe).executor().submit(_read_piece, cc, s.op, keys, host, prefix, piece)
+        args = (cc, s.op, keys, host, prefix)
+        if faults.active(faults.READ_HOLD):
+            fut = lane_of(pipe).executor().submit(_read_held_piece, s.next_page // s.piece_pages, *args)
+        else:
+            fut = lane_of(pipe).executor().submit(_read_piece, *args)
         s.pieces.append(_Piece(s.next_page, n, host, fut))
         s.next_page += n
 
