@@ -3,7 +3,9 @@ without a session_id get implicit sessions.
 
 Two conversations that share only a system prompt, no session_id and no hint
 anywhere: the server's table holds two implicit sessions (one per
-conversation, the second turn of one of them re-serialising its answer); after
+conversation, the second turn of one of them re-serialising its answer), and
+three agents that send one 4-page system prompt and first messages of 1, 20
+and 60 tokens are three more (issue 49: page-aligned end points merged them); after
 a restart the table keeps them, the next call continues its conversation's
 session and comes back from L3; every answer equals the no-cache server's
 (tokens and logprobs).
@@ -35,6 +37,13 @@ SYSTEM = prompt(600, 200)  # shared by both conversations
 A1 = SYSTEM + prompt(601, 100)
 B1 = SYSTEM + prompt(602, 110)
 REWRITTEN = prompt(603, NEW)  # the client's re-serialised answer (not the model's tokens)
+# Issue 49: agents that send one system prompt of whole pages and short first messages
+# (1, 20, 60 tokens) differ only inside the prompt's last page + one; page-aligned end
+# points merged them into one session. Each call ends with the chat template's generation prompt (7 tokens,
+# as Qwen3.5's "<|im_start|>assistant\n<think>\n"), the same for every agent.
+AGENT_SYSTEM = prompt(610, 4 * PAGE_SIZE)
+GENERATION_PROMPT = prompt(620, 7)
+SHORT_FIRSTS = [AGENT_SYSTEM + prompt(611 + i, n) + GENERATION_PROMPT for i, n in enumerate((1, 20, 60))]
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +65,8 @@ def _reference(ref) -> tuple:
     ra2 = ref.generate(_a2(), NEW)
     a3 = _a2() + ra2.output_ids + prompt(605, 48)
     ra3 = ref.generate(a3, NEW)
-    return ra1, rb1, ra2, a3, ra3
+    rshort = [ref.generate(x, NEW) for x in SHORT_FIRSTS]
+    return ra1, rb1, ra2, a3, ra3, rshort
 
 
 def _config(store: Path, model: str) -> ServerConfig:
@@ -100,18 +110,23 @@ def _same(got, want, what: str) -> None:
 def test_two_conversations_without_session_ids_survive_a_restart(tmp_path, family, reference, capsys):
     from sglang_l3 import cli
 
-    ra1, rb1, ra2, a3, ra3 = _reference(reference)
+    ra1, rb1, ra2, a3, ra3, rshort = _reference(reference)
     reference.stop()  # one server at a time
     store = tmp_path / "store"
     with Server(_config(store, family), tmp_path / "first.log", startup_timeout=STARTUP_TIMEOUT) as s1:
         _same(s1.generate(A1, NEW), ra1, "A turn 1")
         _same(s1.generate(B1, NEW), rb1, "B turn 1")
         _same(s1.generate(_a2(), NEW), ra2, "A turn 2 (answer re-serialised)")
-        recs = _implicit(store, {len(_a2()) + NEW: 2, len(B1) + NEW: 1})
+        for i, (x, want) in enumerate(zip(SHORT_FIRSTS, rshort, strict=True)):
+            _same(s1.generate(x, NEW), want, f"agent {i} first call")
+        shorts = {len(x) + NEW: 1 for x in SHORT_FIRSTS}
+        recs = _implicit(store, {len(_a2()) + NEW: 2, len(B1) + NEW: 1, **shorts})
     a_rec, b_rec = recs[len(_a2()) + NEW], recs[len(B1) + NEW]
     assert a_rec.id != b_rec.id, "two conversations sharing a system prompt are two sessions"
-    assert len(recs) == 2, "A's two calls are one session"
+    assert len(recs) == 2 + len(SHORT_FIRSTS), "A's two calls are one session, every other call its own"
+    assert len({recs[t].id for t in shorts}) == len(SHORT_FIRSTS), "short first calls after one system prompt"
     assert a_rec.open and a_rec.input_pages == len(_a2()) // PAGE_SIZE
+    assert len(a_rec.ends) == 2, "the table keeps the end points a restart continues from"
     assert cli.main(["sessions", "--dir", str(store), "ls"]) == 0
     listing = capsys.readouterr().out
     assert a_rec.id[:24] in listing and "implicit" in listing

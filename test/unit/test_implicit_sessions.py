@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import pytest
 from sglang_l3 import metrics as l3_metrics
-from sglang_l3.sessions.implicit import INPUT_TAIL, MAX_SESSIONS, ImplicitSessions, end_pages, page_keys
+from sglang_l3.sessions.implicit import (
+    INPUT_TAIL,
+    MAX_SESSIONS,
+    ImplicitSessions,
+    end_pages,
+    page_keys,
+    prefix_digests,
+    turn_end_points,
+)
 from sglang_l3.storage import retention
 from sglang_l3.storage import sessions as table
 from sglang_l3.storage.retention import CLOSED, MAX_IMPLICIT, OPEN, PLAIN, SessionRetention
@@ -28,10 +36,10 @@ SYSTEM = _toks(1, 100)  # a system prompt of 6.25 pages
 class _Turn:
     """One call of an agent: the tracker's decision, then its finish."""
 
-    def __init__(self, t: ImplicitSessions, ids: list[int], out: list[int], page: int = PAGE):
+    def __init__(self, t: ImplicitSessions, ids: list[int], out: list[int]):
         self.ids, self.out = ids, out
-        self.sid, self.continued = t.decide(page_keys(ids, page), end_pages(len(ids), page))
-        t.finished(self.sid, end_pages(len(ids), page), page_keys(ids + out, page))
+        self.sid, self.continued = t.decide(ids)
+        t.finished(self.sid, turn_end_points(ids, ids + out, None, None))
 
 
 def test_one_agents_calls_are_one_session_and_two_agents_are_two():
@@ -66,17 +74,53 @@ GEN = [284, 83, 302, 83, 198, 1048, 198]
 RERENDERED = [284, 83, 302, 83, 198, 1048, 312, 1049, 312]
 
 
-@pytest.mark.parametrize("page", [1, 16])
-def test_the_next_call_continues_when_the_template_rerenders_the_inputs_last_token(page):
+def test_the_next_call_continues_when_the_template_rerenders_the_inputs_last_token():
     t = ImplicitSessions()
-    a1 = _Turn(t, SYSTEM + _toks(2, 37) + GEN, _toks(3, 20), page)
-    a2 = _Turn(t, SYSTEM + _toks(2, 37) + RERENDERED + _toks(4, 30) + GEN, _toks(5, 20), page)
+    a1 = _Turn(t, SYSTEM + _toks(2, 37) + GEN, _toks(3, 20))
+    a2 = _Turn(t, SYSTEM + _toks(2, 37) + RERENDERED + _toks(4, 30) + GEN, _toks(5, 20))
     assert a2.continued and a2.sid == a1.sid
     # another agent that shares the system prompt and the first words of the message, and
     # the whole generation prompt, is still another session: the end point keeps the user's words
-    b = _Turn(t, SYSTEM + _toks(2, 36) + [9] + GEN, _toks(6, 20), page)
-    assert page == 16 or (not b.continued and b.sid != a1.sid)
+    b = _Turn(t, SYSTEM + _toks(2, 36) + [9] + GEN, _toks(6, 20))
+    assert not b.continued and b.sid != a1.sid
     assert len(GEN) - 2 > INPUT_TAIL
+
+
+@pytest.mark.parametrize("first", [1, 20, 60])
+@pytest.mark.parametrize("page", [1, 64])
+def test_two_agents_with_one_long_system_prompt_and_short_first_messages_are_two(page, first):
+    """Issue 49: a 6,656-token system prompt (104 pages of 64) and first messages of 1,
+    20 and 60 tokens: a page-aligned end point fell in the prompt's last page and merged
+    the agents (B's tool call credited to A, A's next request unpinning B)."""
+    t = ImplicitSessions()
+    system = _toks(20, 104 * 64)
+    a1 = _Turn(t, system + _toks(21, first) + GEN, _toks(22, 20))
+    b1 = _Turn(t, system + _toks(23, first) + GEN, _toks(24, 20))
+    assert not b1.continued and b1.sid != a1.sid
+    # each continues its own
+    b2 = _Turn(t, b1.ids[:-1] + RERENDERED + b1.out + _toks(25, 30) + GEN, _toks(26, 20))
+    a2 = _Turn(t, a1.ids[:-1] + RERENDERED + a1.out + _toks(27, 30) + GEN, _toks(28, 20))
+    assert (a2.continued, a2.sid, b2.continued, b2.sid) == (True, a1.sid, True, b1.sid)
+    assert page_keys(a1.ids, page)[: len(system) // page] == page_keys(b1.ids, page)[: len(system) // page]
+
+
+def test_an_identical_first_call_is_another_agent_not_a_continuation():
+    """Two agents whose first calls are the same tokens ("fix the failing test" after one
+    system prompt): the second extends nothing, so it starts its own session."""
+    t = ImplicitSessions()
+    first = SYSTEM + _toks(30, 6) + GEN
+    a = _Turn(t, first, _toks(31, 20))
+    b = _Turn(t, list(first), _toks(32, 20))
+    assert not b.continued and b.sid != a.sid
+
+
+def test_prefix_digests_are_one_pass_and_namespaced():
+    ids = _toks(40, 300)
+    d = prefix_digests(ids, [300, 10, 150, 0, 301])
+    assert sorted(d) == [10, 150, 300]
+    assert d[150] == prefix_digests(ids[:150], [150])[150] != prefix_digests(ids, [150], extra_key="lora")[150]
+    assert prefix_digests(ids, [150], cache_salt="s")[150] != d[150]
+    assert prefix_digests(ids, [150], cache_salt="")[150] == d[150]  # an empty salt is no salt
 
 
 def test_a_prompt_that_diverges_inside_the_earlier_input_starts_a_session():
@@ -85,8 +129,8 @@ def test_a_prompt_that_diverges_inside_the_earlier_input_starts_a_session():
     edited = SYSTEM + _toks(2, 40) + _toks(4, 60)  # same start, history rewritten
     e = _Turn(t, edited, _toks(5, 20))
     assert not e.continued and e.sid != a1.sid
-    # under one full page: no end point, nothing to continue
-    assert t.match(page_keys(_toks(6, PAGE - 1), PAGE)) is None
+    # a prompt shorter than every end point continues nothing
+    assert t.match(_toks(6, PAGE - 1)) is None
 
 
 def test_keys_are_the_l3_chain_with_its_namespace():
@@ -114,15 +158,28 @@ def test_the_tracker_reloads_implicit_sessions_from_the_table():
     t = ImplicitSessions()
     a1 = _Turn(t, SYSTEM + _toks(2, 40), _toks(3, 20))
     full = page_keys(a1.ids + a1.out, PAGE)
+    ends = [list(e) for e in turn_end_points(a1.ids, a1.ids + a1.out, None, None)]
     rec = table.SessionRecord(
-        a1.sid, full, len(a1.ids) + 20, implicit=True, turns=1, input_pages=end_pages(len(a1.ids), PAGE)
+        a1.sid, full, len(a1.ids) + 20, implicit=True, turns=1, input_pages=end_pages(len(a1.ids), PAGE), ends=ends
     )
+    # through the table's encoding, as a restart reads it
+    rec = table.decode(table.encode("m" * 16, [rec]), None)[1][0]
+    old = table.SessionRecord(_implicit(7), full, 90, implicit=True, turns=1)  # written before end points
     explicit = table.SessionRecord("agent-x", page_keys(_toks(9, 64), PAGE), 64)
     t2 = ImplicitSessions()
-    assert t2.load([rec, explicit]) == 1
+    assert t2.load([rec, old, explicit]) == 1
     again = _Turn(t2, a1.ids + _toks(4, 50), _toks(5, 20))  # diverges after the input
     assert again.continued and again.sid == a1.sid
-    assert t2.match(page_keys(_toks(9, 64), PAGE)) is None  # explicit sessions are not matched
+    assert t2.match(_toks(9, 64) + _toks(10, 20)) is None  # explicit sessions are not matched
+
+
+def test_the_table_refuses_malformed_end_points():
+    good = table.SessionRecord(_implicit(8), [], 9, implicit=True, ends=[[5, "0" * 32]])
+    assert table.decode(table.encode("m" * 16, [good]), None)[1][0].ends == [[5, "0" * 32]]
+    for bad in ([[0, "0" * 32]], [[5, "z" * 32]], [[5]], [[True, "0" * 32]], [[1, "0" * 32]] * 5):
+        rec = table.SessionRecord(_implicit(8), [], 9, implicit=True, ends=bad)
+        with pytest.raises(table.TableError, match="malformed"):
+            table.decode(table.encode("m" * 16, [rec]), None)
 
 
 # ------------------------------------------------------------ the registry
@@ -307,7 +364,8 @@ def test_after_a_restart_the_hooks_continue_a_persisted_conversation(tmp_path):
     with StoreDirs(tmp_path, create=True) as dirs:
         reg = SessionRetention(dirs, "0" * 16, writer=True)
         full = page_keys(a_in + _toks(3, 20), PAGE)
-        reg.on_turn(tok.session_id, full, len(a_in) + 20, input_pages=len(a_in) // PAGE)
+        ends = [list(e) for e in turn_end_points(a_in, a_in + _toks(3, 20), None, None)]
+        reg.on_turn(tok.session_id, full, len(a_in) + 20, input_pages=len(a_in) // PAGE, ends=ends)
         assert reg.flush()
     restarted = _TM(tmp_path)  # a new tokenizer manager reads the table
     _, again = _tokenized(restarted, a_in + _toks(7, 30), "r2")  # diverges right after the input

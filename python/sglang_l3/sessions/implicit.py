@@ -7,35 +7,41 @@ re-serialises the answer) or input + output. Here, in the one process that
 sees every request first (the tokenizer manager; patch `implicit-sessions`),
 a request without a session id
 
-- continues session S when one of its page-aligned prefixes is an *end point*
-  of S's latest turn: the page key (HiCache's SHA-256 chain, the keys L3
-  pages are named with) at the last full page of that turn's input that ends
-  at least INPUT_TAIL tokens before the input's end, or at the last full page
-  of its input + output. The longest such prefix wins. (The input's last
-  tokens are the chat template's generation prompt, which the next call
-  renders differently: Qwen3.5's `<think>\n` comes back as
-  `<think>\n\n</think>`, whose first newline is another token. With page
-  size 1 that last token alone would break every continuation);
+- continues session S when it extends an *end point* of S's latest turn: the
+  exact token prefix of that turn's input up to INPUT_TAIL tokens before its
+  end, or its whole input + output, named by its length and a digest of those
+  tokens (with the request's extra key and cache salt). The request must extend
+  the end point by more than INPUT_TAIL tokens, so an identical prompt (a second
+  agent's first call, a retry) is not a continuation. The longest such end
+  point wins. (The input's last tokens are the chat template's generation
+  prompt, which the next call renders differently: Qwen3.5's `<think>\n` comes
+  back as `<think>\n\n</think>`, whose first newline is another token);
 - otherwise starts a new session with a fresh id (`implicit-<32 hex>`).
+
+End points are token-exact, not page-aligned (issue 49): two agents that send
+one long system prompt and first messages of a few tokens differ only inside
+the prompt's last page, and a page-aligned end point in that page merged them
+into one session. Matching hashes each request once (`prefix_digests`: one pass,
+a digest at every end point length in use), whatever the page size.
 
 The id then travels to every TP rank as an explicit top-level `session_id`
 does, so retention, the session table and hints by session work unchanged.
-Two agents that share only a system prompt are two sessions: neither's
-prompt contains the other's whole first input. A prefix that is only the
-system prompt's pages plus part of a page cannot be told apart; an earlier
-input shorter than one page is never an end point.
 
-Bounded: at most MAX_SESSIONS sessions are tracked, two end points each; the
-least recently used one-turn session (a one-off prompt) is forgotten first.
-After a restart the end points come back from the store's session tables
-(`load`), so a conversation continues under its id.
+Bounded: at most MAX_SESSIONS sessions are tracked, two end points each (a
+length and a 16-byte digest); the least recently used one-turn session (a
+one-off prompt) is forgotten first. After a restart the end points come back
+from the store's session tables (`load`: a record's `ends`), so a conversation
+continues under its id; a table written before end points were recorded
+continues none (its sessions keep their retention).
 """
 
 from __future__ import annotations
 
+import hashlib
 import uuid
-from collections import OrderedDict
-from collections.abc import Iterable
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,9 +55,54 @@ MAX_SESSIONS = 1024  # as the registry's cap (storage.retention.MAX_IMPLICIT)
 INPUT_TAIL = 4
 
 
+DIGEST_BYTES = 16
+
+# An end point: (tokens, hex digest of those tokens with the request's key namespace).
+EndPoint = tuple[int, str]
+
+
+def end_tokens(n_tokens: int) -> int:
+    """Tokens of an n_tokens input up to its end point (see INPUT_TAIL)."""
+    return max(0, n_tokens - INPUT_TAIL)
+
+
 def end_pages(n_tokens: int, page_size: int) -> int:
-    """Full pages of an n_tokens input up to its end point (see INPUT_TAIL)."""
-    return max(0, n_tokens - INPUT_TAIL) // page_size
+    """Full pages of an n_tokens input up to its end point (the session table's
+    input_pages: what a next turn must keep for its history not to count as rewritten)."""
+    return end_tokens(n_tokens) // page_size
+
+
+def prefix_digests(
+    ids: Sequence[int], lengths: Iterable[int], extra_key: Any = None, cache_salt: Any = None
+) -> dict[int, str]:
+    """{n: digest of ids[:n]} for every n in `lengths` with 0 < n <= len(ids), in one
+    pass over the tokens (a digest is read at each length on the way)."""
+    want = sorted({n for n in lengths if 0 < n <= len(ids)})
+    if not want:
+        return {}
+    data = memoryview(array("q", ids[: want[-1]]).tobytes())
+    h = hashlib.blake2b(repr((extra_key or None, cache_salt or None)).encode(), digest_size=DIGEST_BYTES)
+    out: dict[int, str] = {}
+    at = 0
+    for n in want:
+        h.update(data[8 * at : 8 * n])
+        at = n
+        out[n] = h.hexdigest()
+    return out
+
+
+def end_points(
+    ids: Sequence[int], lengths: Iterable[int], extra_key: Any = None, cache_salt: Any = None
+) -> list[EndPoint]:
+    """The end points of `ids` at `lengths` (shortest first; lengths out of range skipped)."""
+    return sorted(prefix_digests(ids, lengths, extra_key, cache_salt).items())
+
+
+def turn_end_points(
+    input_ids: Sequence[int], context: Sequence[int], extra_key: Any, cache_salt: Any
+) -> list[EndPoint]:
+    """A finished turn's end points: its input up to the tail, and its whole input + output."""
+    return end_points(context, (end_tokens(len(input_ids)), len(context)), extra_key, cache_salt)
 
 
 def new_id() -> str:
@@ -74,7 +125,7 @@ def page_keys(ids: Iterable[int], page_size: int, extra_key: Any = None, cache_s
 
 @dataclass
 class _Session:
-    ends: tuple[str, ...] = ()  # end points of the latest turn
+    ends: tuple[EndPoint, ...] = ()  # end points of the latest turn
     turns: int = 0
 
 
@@ -84,7 +135,8 @@ class ImplicitSessions:
     def __init__(self, max_sessions: int = MAX_SESSIONS):
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
-        self._by_end: dict[str, str] = {}
+        self._by_end: dict[EndPoint, str] = {}
+        self._lengths: Counter[int] = Counter()  # end point lengths in use (what a match hashes)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -92,19 +144,20 @@ class ImplicitSessions:
     def ends(self) -> int:
         return len(self._by_end)
 
-    def match(self, keys: list[str]) -> tuple[str, int] | None:
-        """(session, pages) of the longest end point among keys' prefixes."""
-        for i in range(len(keys) - 1, -1, -1):
-            sid = self._by_end.get(keys[i])
+    def match(self, ids: Sequence[int], extra_key: Any = None, cache_salt: Any = None) -> tuple[str, int] | None:
+        """(session, tokens) of the longest end point that `ids` extends by more than INPUT_TAIL."""
+        limit = len(ids) - INPUT_TAIL
+        digests = prefix_digests(ids, (n for n in self._lengths if n < limit), extra_key, cache_salt)
+        for n in sorted(digests, reverse=True):
+            sid = self._by_end.get((n, digests[n]))
             if sid is not None:
-                return sid, i + 1
+                return sid, n
         return None
 
-    def decide(self, keys: list[str], end: int | None = None) -> tuple[str, bool]:
-        """(session id, continued) for a request with page-key chain `keys`;
-        records the request's input end point (page `end`, by default the last)
-        as its session's latest turn."""
-        hit = self.match(keys)
+    def decide(self, ids: Sequence[int], extra_key: Any = None, cache_salt: Any = None) -> tuple[str, bool]:
+        """(session id, continued) for a request of tokens `ids`; records the request's
+        input end point as its session's latest turn."""
+        hit = self.match(ids, extra_key, cache_salt)
         if hit is None:
             sid, continued = new_id(), False
             metrics.inc("implicit_sessions", "started")
@@ -113,28 +166,24 @@ class ImplicitSessions:
             metrics.inc("implicit_sessions", "continued")
         s = self._sessions.pop(sid, None) or _Session()
         s.turns += 1
-        self._set_ends(sid, s, keys[: len(keys) if end is None else end][-1:])
+        self._set_ends(sid, s, end_points(ids, (end_tokens(len(ids)),), extra_key, cache_salt))
         return sid, continued
 
-    def finished(self, sid: str, input_keys: int, keys: list[str]) -> None:
-        """A turn of sid finished: its end points are its input's (page
-        input_keys, `end_pages`) and the last full page of input + output (keys)."""
+    def finished(self, sid: str, ends: list[EndPoint]) -> None:
+        """A turn of sid finished: its end points become `ends` (`turn_end_points`)."""
         s = self._sessions.get(sid)
         if s is None:
             return  # reaped while it ran
-        ends = [keys[input_keys - 1]] if 0 < input_keys <= len(keys) else []
-        self._set_ends(sid, s, ends + keys[-1:])
+        self._set_ends(sid, s, ends)
 
     def load(self, records: Iterable[SessionRecord]) -> int:
         """End points of persisted implicit sessions (after a restart), oldest
-        first; returns how many sessions were added. The table's input_pages
-        are the input's pages up to its end point (patch `sessions`: `end_pages`)."""
+        first; returns how many sessions were added."""
         n = 0
         for r in sorted(records, key=lambda r: r.last_use):
-            if not r.implicit or not r.keys or r.id in self._sessions:
+            if not r.implicit or not r.ends or r.id in self._sessions:
                 continue
-            ends = ([r.keys[r.input_pages - 1]] if r.input_pages > 0 else []) + [r.keys[-1]]
-            self._set_ends(r.id, _Session(turns=r.turns), ends)
+            self._set_ends(r.id, _Session(turns=r.turns), [(int(t), str(d)) for t, d in r.ends])
             n += 1
         return n
 
@@ -148,8 +197,11 @@ class ImplicitSessions:
         for k in s.ends:
             if self._by_end.get(k) == sid:
                 del self._by_end[k]
+                self._lengths[k[0]] -= 1
+                if not self._lengths[k[0]]:
+                    del self._lengths[k[0]]
 
-    def _set_ends(self, sid: str, s: _Session, ends: list[str]) -> None:
+    def _set_ends(self, sid: str, s: _Session, ends: list[EndPoint]) -> None:
         self._drop_ends(sid, s)
         s.ends = tuple(dict.fromkeys(ends))
         for k in s.ends:
@@ -159,6 +211,8 @@ class ImplicitSessions:
                 o = self._sessions.get(other)
                 if o is not None:
                     o.ends = tuple(e for e in o.ends if e != k)
+            else:
+                self._lengths[k[0]] += 1
             self._by_end[k] = sid
         self._sessions[sid] = s
         self._sessions.move_to_end(sid)
@@ -170,4 +224,16 @@ class ImplicitSessions:
             metrics.inc("implicit_sessions", "reaped")
 
 
-__all__ = ["INPUT_TAIL", "MAX_SESSIONS", "ImplicitSessions", "end_pages", "new_id", "page_keys"]
+__all__ = [
+    "INPUT_TAIL",
+    "MAX_SESSIONS",
+    "EndPoint",
+    "ImplicitSessions",
+    "end_pages",
+    "end_points",
+    "end_tokens",
+    "new_id",
+    "page_keys",
+    "prefix_digests",
+    "turn_end_points",
+]

@@ -153,6 +153,7 @@ class SessionRetention:
         *,
         finished: bool = True,
         input_pages: int | None = None,
+        ends: list[list[Any]] | None = None,
     ) -> bool:
         """A request of session sid finished (or, finished=False, was queued:
         its input's chain is protected while it runs): keys is the chain,
@@ -171,6 +172,8 @@ class SessionRetention:
             rec = SessionRecord(sid, list(keys), int(tokens), int(prio), self._now(), is_open)
             rec.implicit, rec.turns, rec.input_pages = is_implicit_id(sid), max(turns, 1), n_in
             rec.tool_calls = old.tool_calls if old else 0
+            # a queued turn keeps the last finished turn's end points until it finishes
+            rec.ends = [list(e) for e in ends] if ends is not None else (list(old.ends) if old else [])
             stale = [] if old is None else self._stale_tail(old, keys)
             self._put(rec)
             for k in stale:

@@ -52,6 +52,9 @@ class SessionRecord:
     turns: int = 0  # turns queued since this server (or table) first saw it
     input_pages: int = 0  # full pages of the last turn's input up to its end point (implicit_sessions.end_pages)
     tool_calls: int = 0  # turns that ended in a tool call (patch tool-call-turns)
+    # the latest turn's end points, [tokens, hex digest] (sglang_l3.sessions.implicit): how an
+    # implicit session is continued after a restart
+    ends: list[list[Any]] = field(default_factory=list)
 
     def one_off(self) -> bool:
         """An implicit session with one turn and no tool call so far: a stray
@@ -59,7 +62,7 @@ class SessionRecord:
         return self.implicit and self.turns < 2 and self.tool_calls == 0
 
     def copy(self) -> SessionRecord:
-        return replace(self, keys=list(self.keys))
+        return replace(self, keys=list(self.keys), ends=[list(e) for e in self.ends])
 
 
 def is_implicit_id(sid: object) -> bool:
@@ -139,6 +142,7 @@ def _record(d: object) -> SessionRecord:
     # fields added after version 1 was written: optional, with their defaults
     implicit, turns, input_pages = d.get("implicit", False), d.get("turns", 0), d.get("input_pages", 0)
     tool_calls = d.get("tool_calls", 0)
+    ends = d.get("ends", [])
     if not (
         isinstance(implicit, bool)
         and isinstance(turns, int)
@@ -147,10 +151,43 @@ def _record(d: object) -> SessionRecord:
         and 0 <= input_pages <= len(keys)
         and isinstance(tool_calls, int)
         and tool_calls >= 0
+        and _valid_ends(ends)
     ):
         raise TableError(f"session {sid!r}: malformed fields")
     return SessionRecord(
-        sid, list(keys), tokens, priority, float(last_use), is_open, implicit, turns, input_pages, tool_calls
+        sid,
+        list(keys),
+        tokens,
+        priority,
+        float(last_use),
+        is_open,
+        implicit,
+        turns,
+        input_pages,
+        tool_calls,
+        [list(e) for e in ends],
+    )
+
+
+MAX_ENDS = 4
+
+
+def _valid_ends(ends: object) -> bool:
+    """[[tokens, 32 hex digits], ...]: at most MAX_ENDS end points."""
+    return (
+        isinstance(ends, list)
+        and len(ends) <= MAX_ENDS
+        and all(
+            isinstance(e, list)
+            and len(e) == 2
+            and isinstance(e[0], int)
+            and not isinstance(e[0], bool)
+            and e[0] > 0
+            and isinstance(e[1], str)
+            and len(e[1]) == 32
+            and all(c in "0123456789abcdef" for c in e[1])
+            for e in ends
+        )
     )
 
 

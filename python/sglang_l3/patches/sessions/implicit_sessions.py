@@ -10,7 +10,7 @@ client's top-level `session_id`, so every TP rank records the same session.
 - AFTER `TokenizerManager._create_tokenized_object`: a single text request
   (no session_id, no session_params, no images or embeddings, not a hint,
   at least one full page) gets the implicit session whose latest turn's end
-  point its page-key chain contains, or a new one; the id goes into the
+  point (a token-exact prefix) it extends, or a new one; the id goes into the
   tokenized request's `session_id`.
 - AROUND `TokenizerManager.generate_request`: when such a request finishes,
   its session's end points become its input and input + output, and the
@@ -104,7 +104,6 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
     from sglang_l3.sessions import pin_book
     from sglang_l3.sessions.activity import ACTIVITY
     from sglang_l3.sessions.hints import HINT_RID_PREFIX, prediction
-    from sglang_l3.sessions.implicit import end_pages, page_keys
 
     mm = kwargs.get("mm_inputs", args[1] if len(args) > 1 else None)
     embeds = kwargs.get("input_embeds", args[0] if args else None)
@@ -129,10 +128,9 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
     try:
         ids = [int(t) for t in input_ids]
         extra, salt = _extra_key(result), getattr(result, "cache_salt", None) or None
-        keys = page_keys(ids, st.page_size, extra, salt)
-        if not keys:
+        if len(ids) < st.page_size:
             return  # under one page: nothing to retain or continue
-        sid, _ = st.tracker.decide(keys, end_pages(len(ids), st.page_size))
+        sid, _ = st.tracker.decide(ids, extra, salt)
     except Exception:  # bookkeeping must never take a request down
         logger.exception("sglang-l3 implicit sessions: cannot decide the session of %s", rid)
         return
@@ -150,14 +148,14 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
 def _finished(tm: Any, st: _State, rid: str, out_ids: list[int]) -> None:
     from sglang_l3.sessions import turn_pairs
     from sglang_l3.sessions.hints import BOOK
-    from sglang_l3.sessions.implicit import end_pages, page_keys
+    from sglang_l3.sessions.implicit import turn_end_points
 
     entry = st.pending.pop(rid, None)
     if entry is None:
         return
     sid, ids, extra, salt = entry
     context = ids + out_ids
-    st.tracker.finished(sid, end_pages(len(ids), st.page_size), page_keys(context, st.page_size, extra, salt))
+    st.tracker.finished(sid, turn_end_points(ids, context, extra, salt))
     turn_pairs.on_finished(tm, rid, sid)  # its answer may end in a tool call
     BOOK.remember(sid, context)  # a hint can name the implicit session
 

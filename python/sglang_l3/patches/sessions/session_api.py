@@ -34,7 +34,8 @@ import logging
 from typing import Any
 
 from sglang_l3.patches.framework import PatchContext
-from sglang_l3.sessions.implicit import end_pages
+from sglang_l3.sessions.implicit import end_pages, turn_end_points
+from sglang_l3.storage.sessions import is_implicit_id
 
 logger = logging.getLogger("sglang_l3.sessions")
 
@@ -82,6 +83,13 @@ def context_keys(cache: Any, req: Any) -> tuple[list[str], int]:
     return list(keys) if isinstance(keys, list) else [keys], len(tokens)
 
 
+def _ends(req: Any) -> list[list[Any]]:
+    """A finished turn's end points, as the tokenizer manager records them."""
+    inputs = list(req.origin_input_ids)
+    context = inputs + list(req.output_ids)
+    return [list(e) for e in turn_end_points(inputs, context, req.extra_key, req.cache_salt)]
+
+
 def _on_release(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) -> None:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
@@ -102,6 +110,8 @@ def _on_release(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) ->
             # up to its end point: a next turn that differs only in the input's last
             # tokens (the generation prompt re-rendered) is an ordinary next turn
             input_pages=end_pages(len(req.origin_input_ids), int(cache.page_size)),
+            # how the tokenizer manager continues it after a restart (implicit sessions)
+            ends=_ends(req) if is_implicit_id(sid) else None,
         )
     except Exception:  # bookkeeping must never take a request down
         logger.exception("sglang-l3 sessions: cannot record session %s", sid)
