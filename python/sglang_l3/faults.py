@@ -1,11 +1,15 @@
-"""Test faults (`SGLANG_L3_TEST_FAULT`, docs/operations.md): the one question a
-runtime module asks, "is fault NAME active here?". The machinery (parsing, where a
-fault is honoured, once-per-process faults, holds) lives with the simulated device
-in `sglang_l3.sim.faults` and is imported only while the variable is set: a served
-process without it never loads any of it.
+"""Test faults (`SGLANG_L3_TEST_FAULT`, docs/operations.md): the one small runtime
+module a patch asks "is fault NAME active here?", with its parsing, its process state
+(spent faults, holds) and when a fault is honoured. It imports nothing of the test
+machinery: the simulated device (`sglang_l3.sim.streams`) imports it and reports
+itself installed (`simulated_device`), never the other way round.
 
-Faults (`NAME` or `NAME@ARGUMENT`, several separated by commas), honoured only with
-the CPU switch or the simulated device (never next to an accelerator):
+A fault is honoured only while the CPU switch (`sglang_l3.cpu`: tests, `make demo`)
+or the simulated device is active in this process: on a served GPU the variable is
+ignored (one warning), so a stray setting can never remove a real fence or hold a real
+server's restores. Without the variable every question is answered at once ("no").
+
+Faults (`NAME` or `NAME@ARGUMENT`, several separated by commas):
 - skip-load-fence: the streamed restore queues piece copies without the fence on the
   forward stream (the simulated-stream tests must then fail);
 - stream-hold@PATH: streamed restores start no read while PATH exists, for at most
@@ -23,9 +27,13 @@ the CPU switch or the simulated device (never next to an accelerator):
 
 from __future__ import annotations
 
-from types import ModuleType
+import logging
+import os
+import time
 
 from sglang_l3 import envs
+
+logger = logging.getLogger("sglang_l3.faults")
 
 ENV = "SGLANG_L3_TEST_FAULT"
 SKIP_LOAD_FENCE = "skip-load-fence"
@@ -34,6 +42,17 @@ READ_HOLD = "read-hold"
 RESTORE_FALLBACK = "restore-fallback"
 CUT_NOT_WAIT = "cut-not-wait"
 NAMES = (SKIP_LOAD_FENCE, STREAM_HOLD, READ_HOLD, RESTORE_FALLBACK, CUT_NOT_WAIT)
+
+HOLD_S = 120.0
+
+# process state of the faults (this module only): faults spent, when each hold was first
+# seen, whether the simulated device is installed (it says so itself)
+_SPENT: set[str] = set()
+_HOLD_SINCE: dict[str, float] = {}
+_WARNED: list[bool] = [False]
+_NOTED: dict[str, object] = {}
+_SIMULATED: list[bool] = [False]
+_NOTHING = object()
 
 
 class FaultError(ValueError):
@@ -44,45 +63,98 @@ def _set() -> bool:
     return (envs.value(ENV) or "").strip() not in ("", "unset")
 
 
-def _machinery() -> ModuleType:
-    from sglang_l3.sim import faults
+def _settings() -> dict[str, str | None]:
+    """{name: argument} of every fault set (an empty dict: none)."""
+    raw = (envs.value(ENV) or "").strip()
+    if not raw or raw == "unset":
+        return {}
+    out: dict[str, str | None] = {}
+    for item in (x.strip() for x in raw.split(",")):
+        name, sep, arg = item.partition("@")
+        if name not in NAMES:
+            raise FaultError(f"{ENV}={raw!r}: unknown fault {name!r} (known: {', '.join(NAMES)})")
+        out[name] = arg if sep else None
+    return out
 
-    return faults
+
+def simulated_device(installed: bool) -> None:
+    """The simulated device reports itself (`sglang_l3.sim.streams.install/uninstall`):
+    while it is installed, faults are honoured."""
+    _SIMULATED[0] = installed
 
 
 def honoured() -> bool:
-    """Faults would apply in this process (the CPU switch or the simulated device is on)."""
-    return bool(_machinery().honoured())
+    """Faults apply here: the CPU switch is on (no accelerator) or the simulated device is installed."""
+    from sglang_l3 import cpu
+
+    return _SIMULATED[0] or cpu.enabled()
 
 
 def active(name: str) -> bool:
-    """Fault `name` is set, honoured here and not spent (an unknown name where faults
-    are honoured: FaultError)."""
-    return _set() and bool(_machinery().active(name))
+    """Fault `name` is set, honoured here, and not spent. An unknown fault name is an
+    error where faults are honoured (a mistyped negative control must not pass)."""
+    if not _set():
+        return False
+    if not honoured():
+        if not _WARNED[0]:
+            _WARNED[0] = True
+            logger.warning(
+                "sglang-l3: %s ignored: test faults apply only with the CPU switch or the simulated device", ENV
+            )
+        return False
+    return name in _settings() and name not in _SPENT
 
 
 def argument(name: str) -> str | None:
     """The ARGUMENT of an active `name@ARGUMENT` fault (None: not active or none given)."""
-    return _machinery().argument(name) if _set() else None
+    if not active(name):
+        return None
+    return _settings().get(name)
 
 
 def spend(name: str) -> None:
     """A once-per-process fault has fired: `active(name)` is False from now on."""
-    _machinery().spend(name)
-
-
-def held(name: str = STREAM_HOLD) -> bool:
-    """An active `name@PATH` hold: PATH exists, first seen less than HOLD_S ago."""
-    return _set() and bool(_machinery().held(name))
-
-
-def hold_read(piece: int) -> None:
-    """Block (a reader thread) while an active `read-hold@PATH` holds reads of `piece`
-    (0-based, in the stream's order)."""
-    if _set():
-        _machinery().hold_read(piece)
+    _SPENT.add(name)
 
 
 def changed(key: str, value: object) -> bool:
     """True when `value` differs from the last one noted under `key` (log a change once)."""
-    return bool(_machinery().changed(key, value))
+    if _NOTED.get(key, _NOTHING) == value:
+        return False
+    _NOTED[key] = value
+    return True
+
+
+def held(name: str = STREAM_HOLD) -> bool:
+    """An active `name@PATH` hold: PATH exists, first seen less than HOLD_S ago."""
+    path = argument(name)
+    if path is None or not os.path.exists(path):
+        _HOLD_SINCE.pop(name, None)
+        return False
+    since = _HOLD_SINCE.setdefault(name, time.monotonic())
+    return time.monotonic() - since < HOLD_S
+
+
+def hold_read(piece: int) -> None:
+    """Block (a reader thread) while an active `read-hold@PATH` holds reads of `piece`
+    (0-based, in the stream's order): PATH exists, `piece` is not among the first K it
+    lets through (K: the integer in PATH, 0 when empty), and the hold was first seen
+    less than HOLD_S ago."""
+    path = argument(READ_HOLD)
+    if path is None:
+        return
+    while True:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except FileNotFoundError:
+            _HOLD_SINCE.pop(READ_HOLD, None)
+            return
+        if piece < (int(text) if text else 0):
+            return
+        since = _HOLD_SINCE.setdefault(READ_HOLD, time.monotonic())
+        if time.monotonic() - since >= HOLD_S:
+            return
+        if changed("read-hold", (piece, since)):
+            logger.warning("read-hold: piece %d of a streamed restore waits for %s", piece, path)
+        time.sleep(0.02)

@@ -1,5 +1,5 @@
-"""`sglang_l3.faults` (the interface) over `sglang_l3.sim.faults` (the machinery): a test fault is honoured only while the CPU switch or the
-simulated device is active (never next to an accelerator), an unknown fault is an
+"""`sglang_l3.faults` (the test-fault switch, a runtime module the simulator imports): a
+test fault is honoured only while the CPU switch or the simulated device is active (never next to an accelerator), an unknown fault is an
 error where faults apply, a once-per-process fault stays spent, and a hold lasts
 while its gate exists, at most HOLD_S."""
 
@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 import sglang_l3.cpu
 from sglang_l3 import faults
-from sglang_l3.sim import faults as machinery
 
 
 @pytest.fixture
 def fresh(monkeypatch):
-    monkeypatch.setattr(machinery, "_SPENT", set())
-    monkeypatch.setattr(machinery, "_HOLD_SINCE", {})
+    monkeypatch.setattr(faults, "_SPENT", set())
+    monkeypatch.setattr(faults, "_HOLD_SINCE", {})
     monkeypatch.delenv(faults.ENV, raising=False)
     if sglang_l3.cpu.accelerator_present():
         pytest.skip("this test session has the CPU switch on (no accelerator)")
@@ -71,9 +70,9 @@ def test_hold_lasts_while_the_gate_exists_at_most_hold_s(fresh, monkeypatch, tmp
     assert faults.active(faults.STREAM_HOLD) and not faults.held()
     gate.touch()
     now = [1000.0]
-    monkeypatch.setattr(machinery.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(faults.time, "monotonic", lambda: now[0])
     assert faults.held()
-    now[0] += machinery.HOLD_S - 1
+    now[0] += faults.HOLD_S - 1
     assert faults.held()
     now[0] += 2
     assert not faults.held()  # a forgotten gate does not hang the test forever
@@ -105,8 +104,8 @@ def test_changed_reports_each_change_once(fresh) -> None:
     assert faults.changed("k-test", 1) and not faults.changed("k-test", 1) and faults.changed("k-test", 2)
 
 
-def test_a_process_without_the_variable_never_loads_the_machinery() -> None:
-    """The interface answers "no fault" without importing sglang_l3.sim (a served GPU)."""
+def test_a_process_without_the_variable_never_loads_the_simulator() -> None:
+    """The switch answers "no fault" without importing sglang_l3.sim (a served GPU)."""
     import subprocess
     import sys
 
@@ -119,3 +118,19 @@ def test_a_process_without_the_variable_never_loads_the_machinery() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_simulated_device_reports_itself(fresh, monkeypatch) -> None:
+    """With the switch off, faults are honoured while the simulated device is installed
+    (the simulator tells the switch; the switch never imports the simulator)."""
+    from sglang_l3.sim import streams as sim_streams
+
+    monkeypatch.setenv(sglang_l3.cpu.ENV_SWITCH, "0")
+    monkeypatch.setenv(faults.ENV, faults.SKIP_LOAD_FENCE)
+    assert not faults.honoured() and not faults.active(faults.SKIP_LOAD_FENCE)
+    sim_streams.install(1)
+    try:
+        assert faults.honoured() and faults.active(faults.SKIP_LOAD_FENCE)
+    finally:
+        sim_streams.uninstall()
+    assert not faults.honoured()

@@ -2,9 +2,10 @@
 serving process imports) never import the harnesses (sglang_l3.testing) or test
 code, nothing below patches/ imports upward (patches, plugin, cli, doctor), a
 patch never reaches into a command-line module (shared logic lives where both can
-import it publicly), the simulated device and the fault machinery (sglang_l3.sim)
-are loaded only by their two gates, no module imports another's underscore names,
-and patches/ has one subpackage per series group."""
+import it publicly), the simulated device (sglang_l3.sim) is loaded only by its one
+gate (the simulator imports the runtime's fault switch, never the other way round),
+no modules import each other in a circle, no module imports another's underscore
+names, and patches/ has one subpackage per series group."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import sglang_l3
 
 PKG = Path(sglang_l3.__file__).resolve().parent
 HARNESS = ("sglang_l3.testing",)
-# test machinery (simulated device, fault machinery): not runtime; runtime reaches it
-# only through these gates, each of which loads it only when asked
+# test machinery (the simulated device): not runtime; runtime reaches it only through
+# this gate, which loads it only when asked (the fault switch, sglang_l3.faults, is
+# runtime: the simulator imports it)
 SIM = ("sglang_l3.sim",)
-SIM_GATES = ("sglang_l3.faults", "sglang_l3.patches.cpu.sim_streams")
+SIM_GATES = ("sglang_l3.patches.cpu.sim_streams",)
 TEST_CODE = ("test", "tests", "conftest", "l3_e2e", "kit_shims", "fake_patch_target", "pytest")
 # Packages below patches/: they provide what patches install and must not reach up.
 BELOW = (
@@ -30,6 +32,7 @@ BELOW = (
     "sglang_l3.envs",
     "sglang_l3.device_reads",
     "sglang_l3.sessions",
+    "sglang_l3.faults",
 )
 UPPER = ("sglang_l3.patches", "sglang_l3.plugin", "sglang_l3.cli", "sglang_l3.doctor")
 # command-line modules: a runtime patch imports none of them
@@ -91,6 +94,64 @@ def violations() -> list[str]:
     return bad
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (anywhere in it, function bodies too),
+    over the whole package (harnesses and the simulator included). An import of a
+    package a module sits in (its own `__init__`) is not an arrow."""
+    mods = {_modname(p): p for p in sorted(PKG.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        for _, name in imports_of(path):
+            while name and name not in mods:
+                name = name.rpartition(".")[0]
+            if name and name != mod and not mod.startswith(name + "."):
+                graph.setdefault(mod, set()).add(name)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of modules that import each other around a circle (strongly connected
+    components of more than one module; Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp: list[str] = []
+                while True:
+                    x = stack.pop()
+                    on_stack.discard(x)
+                    comp.append(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
 REPO = PKG.parent.parent
 SOURCES = ("python", "test", "benchmark")
 
@@ -149,6 +210,33 @@ def test_runtime_modules_found() -> None:
 
 def test_no_runtime_module_imports_harness_or_reaches_upward() -> None:
     assert violations() == []
+
+
+def test_no_import_circle() -> None:
+    """No modules import each other around a circle (issue 51: `faults` and the
+    simulator's fault machinery did), function-level imports included."""
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_check_sees_a_circle() -> None:
+    """Negative control: two modules importing each other (one at module level, one in
+    a function), and a runtime module importing the simulator, are both caught."""
+    a = PKG / "quant" / "_layering_probe_a.py"
+    b = PKG / "quant" / "_layering_probe_b.py"
+    a.write_text("import sglang_l3.quant._layering_probe_b\n")
+    b.write_text("def f() -> None:\n    from sglang_l3.quant import _layering_probe_a\n")
+    c = PKG / "_layering_probe.py"
+    c.write_text("def f() -> None:\n    from sglang_l3.sim import streams\n")
+    try:
+        found = circles(import_graph())
+        up = violations()
+    finally:
+        a.unlink()
+        b.unlink()
+        c.unlink()
+    assert ["sglang_l3.quant._layering_probe_a", "sglang_l3.quant._layering_probe_b"] in found
+    assert any("sglang_l3/_layering_probe.py:2" in v and "test machinery" in v for v in up)
+    assert circles({"x": {"y"}, "y": {"z"}, "z": {"x"}, "w": {"x"}}) == [["x", "y", "z"]]
 
 
 def test_no_module_imports_another_modules_underscore_names() -> None:

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from sglang_l3 import faults
+
 P_COMPLETE = 0.3  # chance that polling a pending event finds it complete
 
 
@@ -419,6 +421,7 @@ def install(seed: int, p_complete: float = P_COMPLETE, *, threaded: bool = False
     for name, obj in _API.items():
         _SAVED[name] = getattr(torch.cpu, name, _MISSING)
         setattr(torch.cpu, name, obj)
+    faults.simulated_device(True)  # test faults are honoured on the simulated device
 
 
 def uninstall() -> None:
@@ -444,3 +447,4 @@ def uninstall() -> None:
                 setattr(torch.cpu, name, obj)
         _SAVED.clear()
         _DEV = None
+        faults.simulated_device(False)
