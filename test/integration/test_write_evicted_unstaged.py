@@ -86,25 +86,73 @@ def test_a_write_staged_before_the_eviction_is_kept_and_not_counted(tmp_path) ->
     assert _restorable(tmp_path, "rust") == len(SEQ)
 
 
+def _staged_restore_and_guarded_write(tmp_path, r: L3Stack) -> tuple:
+    """A staged restore holding the host staging a queued, guarded write of SEQ needs."""
+    pipe = r.cache.buffer_pipeline
+    cc = r.cache.cache_controller
+    cc.prefetch_capacity_limit = cc.mem_pool_host.size
+    h, loaded = r.prefetch(A_STAGED, "staged")
+    assert loaded == len(A_STAGED) and pipe.has_staged(h), "the restore must be staged, holding host staging"
+    r.write(SEQ, marker=2.0, flush=False)
+    assert write_guard.guarded_nodes(pipe)
+    return pipe, h
+
+
+A_STAGED = list(range(9000, 9000 + 8 * PAGE))
+
+
+def _write_staged_context(tmp_path) -> None:
+    with L3Stack(SPEC, str(tmp_path), tree_core="rust") as w:
+        w.write(A_STAGED, marker=1.0)
+        w.settle(timeout=120)
+
+
+def _refused_for_rows(r: L3Stack, pipe, h) -> None:
+    """Upstream's admission defers the staged restore for device capacity (as
+    PrefillAdder does when init_load_back cannot take rows)."""
+    req = r.new_req("staged", A_STAGED)
+    req.cache_request_handle = h
+    pipe.defer_staged_admission(req, "full")
+
+
+def test_the_guard_holds_while_a_staged_restore_only_waits_its_turn(tmp_path) -> None:
+    """Issue 49: a staged restore that waits for admission without being refused rows
+    (behind --max-running-requests 1, a running prefill) never opens the valve, however
+    many flushes pass (upstream flushes on every tick): the queued write keeps its node
+    and reaches L3 once the restore is admitted or gone. Without the deferral condition
+    the valve opened after 8 flushes and the write was swept."""
+    _write_staged_context(tmp_path)
+    with L3Stack(SPEC, str(tmp_path), tree_core="rust", server_args={"hicache_ratio": 0.25}) as r:
+        pipe, h = _staged_restore_and_guarded_write(tmp_path, r)
+        c0 = metrics.snapshot()
+        for _ in range(10 * write_guard.VALVE_FLUSHES):
+            pipe.flush_pending_writes()
+        assert pipe.pending_write_queue, "the write must wait for host staging"
+        assert write_guard.guarded_nodes(pipe), "the valve opened for a restore that only waits its turn"
+        assert metrics.get("l3_write_guard", "released") == c0.get("l3_write_guard{released}", 0)
+        r.evict_all(stage_queued_writes=False)
+        assert r.match(SEQ).device_prefix_len == len(SEQ)
+        pipe.release_staged_hold(h)  # admitted or gone: host staging frees
+        r.settle(timeout=120)
+        assert metrics.get("l3_write_dropped", "evicted") == c0.get("l3_write_dropped{evicted}", 0)
+        r.evict_all()
+        assert r.pool_sizes() == r.baseline
+    assert _restorable(tmp_path, "rust") == len(SEQ), "the guarded write must reach the store whole"
+
+
 def test_the_guard_gives_way_to_a_staged_restore_that_holds_host_staging(tmp_path) -> None:
     """The valve: a staged restore holds the host staging a guarded write needs, and at
-    admission it may need the guarded rows. After `VALVE_FLUSHES` flushes without
-    progress the guards are released (counted), the node may be evicted, and its write
-    is swept and counted as without the guard; nothing leaks."""
-    a = list(range(9000, 9000 + 8 * PAGE))
-    with L3Stack(SPEC, str(tmp_path), tree_core="rust") as w:
-        w.write(a, marker=1.0)
-        w.settle(timeout=120)
+    admission it is refused for device capacity (it may need the guarded rows). After
+    `VALVE_FLUSHES` flushes without progress the guards are released (counted), the
+    node may be evicted, and its write is swept and counted as without the guard;
+    nothing leaks."""
+    _write_staged_context(tmp_path)
     with L3Stack(SPEC, str(tmp_path), tree_core="rust", server_args={"hicache_ratio": 0.25}) as r:
-        pipe = r.cache.buffer_pipeline
-        cc = r.cache.cache_controller
-        cc.prefetch_capacity_limit = cc.mem_pool_host.size
-        h, loaded = r.prefetch(a, "staged")
-        assert loaded == len(a) and pipe.has_staged(h), "the restore must be staged, holding host staging"
-        r.write(SEQ, marker=2.0, flush=False)
-        assert write_guard.guarded_nodes(pipe)
+        pipe, h = _staged_restore_and_guarded_write(tmp_path, r)
         c0 = metrics.snapshot()
-        for _ in range(write_guard.VALVE_FLUSHES - 1):
+        pipe.flush_pending_writes()  # the head stops
+        _refused_for_rows(r, pipe, h)
+        for _ in range(write_guard.VALVE_FLUSHES - 2):
             pipe.flush_pending_writes()
         assert pipe.pending_write_queue, "the write must wait for host staging"
         assert write_guard.guarded_nodes(pipe), "the guard must hold before the valve opens"

@@ -18,9 +18,15 @@ guarded themselves.
 The valve: a guarded write waits for host staging, and host staging can be held by
 a staged restore that waits for admission, which may wait for the guarded rows. When
 the queue's head has not staged for `VALVE_FLUSHES` flushes in a row while a staged
-restore holds host staging, every guard is released until the queue moves again; a
-write swept after that is counted as before (`l3_write_dropped{evicted}`), the
-release as `l3_write_guard{released}`.
+restore holds host staging, and upstream's admission has deferred such a restore for
+device capacity since the head stopped (`BufferModePipeline.defer_staged_admission`:
+the cycle is real, the restore wants rows), every guard is released until the queue
+moves again; a write swept after that is counted as before
+(`l3_write_dropped{evicted}`), the release as `l3_write_guard{released}`. A staged
+restore that merely waits its turn (behind `--max-running-requests`, a running
+prefill) never opens it: flushes run on every scheduler tick, so eight of them take
+milliseconds, and the valve used to open then, sweeping the queued writes of a
+context that then had to be recomputed (issue 49).
 
 Every input is TP-identical (the queue and the staged restores follow MIN-reduced
 acks, flushes run at the same lockstep point), so every rank guards and releases the
@@ -47,6 +53,8 @@ class _Guards:
     locks: dict[Any, tuple[Any, int]] = dataclasses.field(default_factory=dict)  # node -> (receipt, tokens)
     blocked: int = 0  # consecutive flushes without progress while a staged restore holds host staging
     open: bool = False  # the valve: no guards until the queue moves
+    # upstream's device-capacity deferrals per staged restore when the head stopped
+    defers_at_block: dict[Any, int] = dataclasses.field(default_factory=dict)
 
 
 def _guards(pipe: Any) -> _Guards:
@@ -114,8 +122,12 @@ def apply(ctx: PatchContext) -> None:
         if self._backup_ack_seq != seq or not self.pending_write_queue:
             g.blocked, g.open = 0, False
         elif self.staged_prefetches and not g.open:
+            defers = self._staged_admission_defers
+            if g.blocked == 0:
+                g.defers_at_block = {r: defers.get(r, 0) for r in self.staged_prefetches}
             g.blocked += 1
-            if g.blocked >= VALVE_FLUSHES and g.locks:
+            refused = any(defers.get(r, 0) > g.defers_at_block.get(r, 0) for r in self.staged_prefetches)
+            if g.blocked >= VALVE_FLUSHES and refused and g.locks:
                 g.open = True
                 metrics.inc("l3_write_guard", "released")
                 logger.warning(
