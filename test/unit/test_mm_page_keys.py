@@ -32,7 +32,6 @@ from sglang_l3.patches.serving.mm_page_keys import (
     REFUSAL,
     check_request,
     folded_hash,
-    has_l3,
     identity_key_in,
     supplied,
 )
@@ -160,7 +159,6 @@ def _tm(args: SimpleNamespace, **live: object) -> SimpleNamespace:
 
 
 def test_l3_detection() -> None:
-    assert has_l3(L3) and not has_l3(HOST_ONLY) and not has_l3(NO_HICACHE) and not has_l3(None)
     assert l3_attached(_tm(L3)) and not l3_attached(_tm(HOST_ONLY)) and not l3_attached(_tm(NO_HICACHE))
     assert not l3_attached(None)
 

@@ -1,5 +1,5 @@
 """What a scheduler-loop stand-in waits on while a streamed restore reads
-(`streamed_restore.landing_futures`, used by `testing.stack.wait_for_work`): the read
+(`testing.stream_landing.landing_futures`, used by `testing.stack.wait_for_work`): the read
 each stream lands next, not every read in flight. A tick lands pieces in order, so a
 loop woken by a later piece read first ticks for nothing; under load a burst test's
 600 passes went by in 0.5 s that way while the leading read was still running
@@ -11,7 +11,8 @@ import types
 from concurrent.futures import Future
 
 import torch
-from sglang_l3.patches.hicache.streamed_restore import Stream, landing_futures, lane_of
+from sglang_l3.patches.hicache.streamed_restore import Stream, lane_of
+from sglang_l3.testing.stream_landing import copies_completed, landing_futures
 
 
 def _piece(first: int, done: bool) -> types.SimpleNamespace:
@@ -56,7 +57,6 @@ def test_a_completed_copy_wakes_the_loop_at_once(monkeypatch) -> None:
     freed host slots take the next read beside the one in flight. The stand-in used to
     sleep until the next piece landed (restore_bench at 131K, 1/16 buffer: one read in
     flight at a time after the first two, 1.66 s against 1.46 s)."""
-    from sglang_l3.patches.hicache.streamed_restore import copies_completed
     from sglang_l3.testing import stack
 
     pipe = types.SimpleNamespace()

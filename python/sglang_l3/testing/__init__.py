@@ -1,7 +1,8 @@
 """Harnesses: what tests, demos and benchmarks drive, never what a serving process imports.
 
 - `stack`: the real upstream cache stack (UnifiedRadixCache + HybridCacheController +
-  buffer-only HiCache + our store) on CPU pools.
+  buffer-only HiCache + our store) on CPU pools; `stream_landing`: what its
+  scheduler-loop stand-in waits on while a streamed restore reads.
 - `scheduler_harness`: the real scheduler admission path around that stack.
 - `soak`: the randomized restore soak.
 - `server`: start, talk to and stop `python -m sglang.launch_server` on the packaged tiny model.

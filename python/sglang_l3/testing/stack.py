@@ -139,7 +139,7 @@ def wait_for_work(cache: Any) -> None:
     nothing, so it does not wake the loop: 600 passes once went by in 0.5 s that way,
     issue 33), else PUMP_PERIOD_S. This stand-in neither spins a core away from the
     store's reader thread nor sleeps past a landed piece or a freed slot."""
-    from sglang_l3.patches.hicache.streamed_restore import copies_completed, landing_futures
+    from sglang_l3.testing.stream_landing import copies_completed, landing_futures
 
     pipe = getattr(cache, "buffer_pipeline", None)
     if pipe is not None and copies_completed(pipe):

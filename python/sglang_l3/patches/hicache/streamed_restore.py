@@ -177,35 +177,19 @@ def lane_of(pipe: Any) -> Lane:
     return lane
 
 
+def lane_if_any(pipe: Any) -> Lane | None:
+    """`pipe`'s lane without making one (None: no stream ever started on it), for
+    readers that must not change the pipeline (a harness waiting on its reads:
+    `sglang_l3.testing.stream_landing`)."""
+    lane = pipe.__dict__.get("_l3_stream_lane")
+    return lane if isinstance(lane, Lane) else None
+
+
 def holds_buffers(pipe: Any) -> bool:
     """Whether `pipe`'s streams still hold device rows or host slots: a stream not yet
     ended, or copies of ended ones still in flight (freed by a later tick)."""
-    lane = pipe.__dict__.get("_l3_stream_lane")
+    lane = lane_if_any(pipe)
     return lane is not None and bool(lane.streams or lane.retiring)
-
-
-def landing_futures(pipe: Any) -> list[Future]:
-    """The read each of `pipe`'s streams lands next (its first piece in flight): a
-    scheduler loop, or a harness standing in for one, may block on them instead of
-    polling. Only these: a tick lands pieces in order, so a later piece read first
-    changes nothing until the one before it is done (a loop that woke on it would
-    tick for nothing until then)."""
-    lane = pipe.__dict__.get("_l3_stream_lane")
-    return [] if lane is None else [s.pieces[0].future for s in lane.streams.values() if s.pieces]
-
-
-def copies_completed(pipe: Any) -> bool:
-    """Whether a copy of `pipe`'s streams has completed here and its buffers wait for the
-    next tick to be freed (a stream's oldest copy, or a retiring one). Upstream's scheduler
-    loop ticks again at once while a prefetch is in progress (`on_idle`: `time.sleep(0)`),
-    so the freed host slots take the next read then, beside the one in flight; a harness
-    standing in for that loop ticks now rather than sleep until the next piece lands."""
-    lane = pipe.__dict__.get("_l3_stream_lane")
-    if lane is None:
-        return False
-    firsts = [s.copying[0].copied for s in lane.streams.values() if s.copying]
-    firsts += [r.copied for r in lane.retiring[:1]]
-    return any(bool(ev.query()) for ev in firsts)
 
 
 def piece_tokens(pipe: Any) -> int:

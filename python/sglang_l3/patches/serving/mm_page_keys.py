@@ -45,13 +45,6 @@ _TAG = b"sglang-l3-mm-item-v1"
 # --------------------------------------------------------------------------- #
 # mm-hashes-guard
 # --------------------------------------------------------------------------- #
-def has_l3(server_args: Any) -> bool:
-    """HiCache with a storage backend (L3) in these launch arguments."""
-    return bool(getattr(server_args, "enable_hierarchical_cache", False)) and bool(
-        getattr(server_args, "hicache_storage_backend", None)
-    )
-
-
 def supplied(values: Any) -> bool:
     """True when a (possibly nested) list of per-item hashes holds any value."""
     if values is None:
