@@ -7,8 +7,10 @@ decode configs for 2/3/8-bit, and the split-K reduction are compiled by Triton's
 AMD backend (bundled LLVM + linker in the pinned triton wheel). Checked from the
 emitted ISA and its AMDGPU metadata: the tl.dot kernels lower to WMMA
 (v_wmma_f32_16x16x16_{f16,bf16}); nothing the decode path launches (M <= 16,
-every bit width) spills VGPRs; no variant spills heavily. `-v` prints the table;
-`python -m sglang_l3.quant.gptq_triton` prints it standalone.
+every bit width) spills VGPRs; no variant spills heavily. The sm90 decode
+variants (the H200 of test/gpu/device_check.sh) compile with the NVIDIA backend
+without local memory. `-v` prints the table; `python -m sglang_l3.quant.gptq_triton
+[gfx1100|sm90]` prints it standalone.
 Select with `-m aot`; runs in the default CPU suite.
 """
 
@@ -80,6 +82,28 @@ def test_decode_shapes_do_not_spill(table, reduce_reports) -> None:
     assert len(decode) == 2 * (4 * 2 + 3 * 2), [r.variant for r in decode]
     for r in decode + reduce_reports:
         assert r.spills == 0 and r.scratch_bytes == 0, r
+
+
+def test_sm90_decode_variants_use_no_local_memory() -> None:
+    """The 4-bit fp16 decode launches of the sm90 table (the H200 the device check
+    runs on) compile with Triton's NVIDIA backend (bundled ptxas) without spilling to
+    local memory, and the split-K tl.dot uses the tensor cores."""
+    from sglang_l3.quant import gptq_triton as T
+
+    if T.interpreting():
+        pytest.skip("TRITON_INTERPRET=1 in this process: Triton cannot compile here")
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this triton wheel has no NVIDIA backend")
+    decode = [
+        (cfg, g)
+        for b, dt, cfg, g in T.aot_variants("sm90")
+        if b == 4 and dt == torch.float16 and (cfg.kind == "gemv" or cfg.split_k > 1)
+    ]
+    assert len(decode) == 8
+    for cfg, g in decode:
+        r = T.aot_compile(4, torch.float16, cfg, has_gidx=g, arch="sm90")
+        assert r.scratch_bytes == 0 and 0 < r.vgpr <= 255, r
+        assert bool(r.wmma) == (cfg.kind == "dot"), r
 
 
 def test_no_variant_spills_heavily(table) -> None:

@@ -215,8 +215,12 @@ def gptq_gemv_kernel(
     n_ok = offs_n < N
     rows = tl.arange(0, R)
     cols = tl.arange(0, PER)
-    offs_m = tl.arange(0, BM)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # one accumulator per row of x, reduced over the R word rows only after the loop
+    # (no cross-thread reduction inside it); the unused ones are compiled away
+    acc0 = tl.zeros((R, BN), dtype=tl.float32)
+    acc1 = tl.zeros((R, BN), dtype=tl.float32)
+    acc2 = tl.zeros((R, BN), dtype=tl.float32)
+    acc3 = tl.zeros((R, BN), dtype=tl.float32)
 
     zbit = offs_n * BITS
     zword = zbit // 32
@@ -270,16 +274,31 @@ def gptq_gemv_kernel(
 
         for mi in tl.static_range(BM):
             xm = tl.load(x_ptr + mi * sxm + k2 * sxk, mask=k_ok2 & (mi < M), other=0.0).to(tl.float32)
-            part = tl.sum(tl.sum(xm[:, :, None] * w, axis=1), axis=0)  # [BN]
+            part = tl.sum(xm[:, :, None] * w, axis=1)  # [R, BN]
             if TILE_GROUP:
-                part = part * s1
-            acc += tl.where(offs_m[:, None] == mi, part[None, :], 0.0)
+                part = part * s1[None, :]
+            if mi == 0:
+                acc0 += part
+            elif mi == 1:
+                acc1 += part
+            elif mi == 2:
+                acc2 += part
+            else:
+                acc3 += part
 
-    omask = (offs_m < M)[:, None] & n_ok[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + pid_k * sos + offs_m[:, None] * som + offs_n[None, :] * son, acc, mask=omask)
-    else:
-        tl.store(out_ptr + offs_m[:, None] * som + offs_n[None, :] * son, acc.to(out_ptr.dtype.element_ty), mask=omask)
+    base = out_ptr + pid_k * sos if PARTIAL else out_ptr
+    for mi in tl.static_range(BM):
+        if mi == 0:
+            row = tl.sum(acc0, axis=0)
+        elif mi == 1:
+            row = tl.sum(acc1, axis=0)
+        elif mi == 2:
+            row = tl.sum(acc2, axis=0)
+        else:
+            row = tl.sum(acc3, axis=0)
+        if not PARTIAL:
+            row = row.to(out_ptr.dtype.element_ty)
+        tl.store(base + mi * som + offs_n * son, row, mask=n_ok & (mi < M))
 
 
 @triton.jit
@@ -342,15 +361,18 @@ class ArchTable:
 
 
 # Not measured yet (no GPU when they were written, issue 53): starting points from
-# the kernels' structure. sm90 (H200, 132 SMs): 64-column GEMV tiles of one g128
-# group, K split until ~8 programs per SM. gfx1100 (7900 XTX, wave32): every tile
-# here is in test_gptq_aot.py's spill-free gfx1100 compile; the split-K tl.dot tile is
-# the old decode tile (BM16-BN64-BK32, 4 warps), the only dot tile that does not spill.
+# the kernels' structure and their AOT compiles (test_gptq_aot.py). sm90 (H200, 132
+# SMs): 64-column GEMV tiles of one g128 group, 4 warps (4-bit, sequential groups:
+# 84 registers at 1 row, 168 at 2 or 4; 8 warps take more), K split until ~8
+# programs per SM. gfx1100 (7900 XTX, wave32):
+# every tile here compiles spill-free for gfx1100 (GEMV BN64-BK64 with 4 warps
+# spills at 4 rows with g_idx; 8 warps does not); the split-K tl.dot tile is the old
+# decode tile (BM16-BN64-BK32, 4 warps), the only dot tile that does not spill.
 # "cpu" is the interpreter's (CPU tests): short slices so that small test layers
 # reach the split-K path. benchmark/gptq_bench.py --sweep times alternatives.
 ARCH_TABLES: dict[str, ArchTable] = {
-    "sm90": ArchTable(4, (64, 128, 4), 16, (16, 64, 64, 4), 8, 256, 16, 132),
-    "gfx1100": ArchTable(4, (64, 64, 4), 16, (16, 64, 32, 4), 8, 256, 16, 96),
+    "sm90": ArchTable(4, (64, 128, 4), 16, (16, 64, 32, 4), 8, 256, 16, 132),
+    "gfx1100": ArchTable(4, (64, 64, 8), 16, (16, 64, 32, 4), 8, 256, 16, 96),
     "default": ArchTable(4, (64, 128, 4), 16, (16, 64, 32, 4), 8, 256, 16, 64),
     "cpu": ArchTable(4, (64, 32, 4), 16, (16, 64, 32, 4), 4, 32, 4, 2),
 }
@@ -441,7 +463,9 @@ def pick_config(
     cus = cus or t.cus
     if m <= t.gemv_max_m:
         bn, bk, nw = t.gemv
-        bk, tile = _tile_bk(bk, group_size, has_gidx, values_per_word(bits))
+        per = values_per_word(bits)
+        # at most 32 word rows: BM accumulators of [BK / PER, BN] stay in registers
+        bk, tile = _tile_bk(min(bk, 32 * per), group_size, has_gidx, per)
         split = _split_for(triton.cdiv(N, bn), K, bk, t, cus)
         bm = 1 << (max(m, 1) - 1).bit_length()  # 1, 2, 4
         return LaunchConfig(bm, bn, bk, tile, nw, split, "gemv")
@@ -540,8 +564,8 @@ def gptq_gemm(
     )
     common = dict(BITS=bits, ZOFF=1 if fmt == "v1" else 0, HAS_GIDX=has_gidx, TILE_GROUP=cfg.tile_group)
     if cfg.kind == "gemv":
-        if M > cfg.BM:
-            raise ValueError(f"GEMV config {cfg.name} holds {cfg.BM} rows, M={M}")
+        if M > cfg.BM or cfg.BM > 4:
+            raise ValueError(f"GEMV config {cfg.name} holds {cfg.BM} rows (at most 4), M={M}")
         per = values_per_word(bits)
         gemv_grid = (triton.cdiv(N, cfg.BN), split)
         gptq_gemv_kernel[gemv_grid](
@@ -566,7 +590,7 @@ def gptq_gemm(
 
 
 # --------------------------------------------------------------------------- #
-# Ahead-of-time compile for AMD (no GPU needed): ISA facts per variant
+# Ahead-of-time compile (no GPU needed): register facts per variant, AMD or NVIDIA
 # --------------------------------------------------------------------------- #
 @dataclass(frozen=True)
 class AotReport:
@@ -594,7 +618,7 @@ def _meta(asm: str, key: str) -> int:
     return int(found[0]) if found else 0
 
 
-def _report(variant: str, arch: str, asm: str) -> AotReport:
+def _amd_report(variant: str, arch: str, asm: str) -> AotReport:
     return AotReport(
         variant=variant,
         arch=arch,
@@ -608,17 +632,45 @@ def _report(variant: str, arch: str, asm: str) -> AotReport:
     )
 
 
-def _hip_compile(fn, sig: dict[str, str], const: dict[str, object], arch: str, num_warps: int) -> str:
+def _cuda_report(variant: str, arch: str, cubin: bytes) -> AotReport:
+    """Registers, local memory (spills land there) and shared memory of a cubin, from
+    the cuobjdump bundled with triton's NVIDIA backend; wmma lists the tensor-core
+    PTX instructions (mma / wgmma)."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+
+    def field(key: str) -> int:
+        found = re.findall(rf"\b{key}:(\d+)", usage)
+        return int(found[0]) if found else 0
+
+    return AotReport(variant, arch, (), field("REG"), 0, 0, 0, field("SHARED"), field("LOCAL"))
+
+
+def _compile(fn, sig: dict[str, str], const: dict[str, object], arch: str, num_warps: int, variant: str) -> AotReport:
+    """Compile for an AMD gfx name (wave32) or an NVIDIA "sm<cc>" without a GPU."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if interpreting():
         raise RuntimeError("AOT compile is impossible in a TRITON_INTERPRET=1 process")
     sig = {**sig, **{k: "constexpr" for k in const}}
-    compiled = triton.compile(
-        ASTSource(fn, sig, constexprs=const), target=GPUTarget("hip", arch, 32), options={"num_warps": num_warps}
-    )
-    return str(compiled.asm["amdgcn"])
+    src = ASTSource(fn, sig, constexprs=const)
+    if arch.startswith("sm"):
+        compiled = triton.compile(src, target=GPUTarget("cuda", int(arch[2:]), 32), options={"num_warps": num_warps})
+        report = _cuda_report(variant, arch, compiled.asm["cubin"])
+        mma = tuple(sorted(set(re.findall(r"\b(wgmma\.\w+|mma\.sync)", str(compiled.asm["ptx"])))))
+        return replace(report, wmma=mma)
+    compiled = triton.compile(src, target=GPUTarget("hip", arch, 32), options={"num_warps": num_warps})
+    return _amd_report(variant, arch, str(compiled.asm["amdgcn"]))
 
 
 def aot_compile(
@@ -631,7 +683,7 @@ def aot_compile(
     arch: str = "gfx1100",
     partial: bool | None = None,
 ) -> AotReport:
-    """Compile one variant for `arch` and read the AMDGPU metadata of the result.
+    """Compile one variant for `arch` (gfx name or "sm<cc>") and read its register use.
     partial=None: the split-K store exactly when cfg.split_k > 1."""
     dt = _TL_DTYPE[dtype]
     partial = cfg.split_k > 1 if partial is None else partial
@@ -662,15 +714,13 @@ def aot_compile(
     else:
         const.update(DOT_F32=False, PARTIAL=partial, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK)
         fn = gptq_gemm_kernel
-    asm = _hip_compile(fn, sig, const, arch, cfg.num_warps)
-    return _report(f"b{bits}-{dt}-{'gidx' if has_gidx else 'seq'}-{cfg.name}", arch, asm)
+    return _compile(fn, sig, const, arch, cfg.num_warps, f"b{bits}-{dt}-{'gidx' if has_gidx else 'seq'}-{cfg.name}")
 
 
 def aot_compile_reduce(dtype: torch.dtype, arch: str = "gfx1100") -> AotReport:
     dt = _TL_DTYPE[dtype]
     sig = {"part_ptr": "*fp32", "out_ptr": f"*{dt}", "MN": "i32", "split": "i32"}
-    asm = _hip_compile(splitk_reduce_kernel, sig, {"BLOCK": REDUCE_BLOCK}, arch, 4)
-    return _report(f"reduce-{dt}", arch, asm)
+    return _compile(splitk_reduce_kernel, sig, {"BLOCK": REDUCE_BLOCK}, arch, 4, f"reduce-{dt}")
 
 
 def aot_variants(arch: str = "gfx1100") -> list[tuple[int, torch.dtype, LaunchConfig, bool]]:
@@ -686,7 +736,7 @@ def aot_variants(arch: str = "gfx1100") -> list[tuple[int, torch.dtype, LaunchCo
                 c = replace(cfg, tile_group=False) if gidx else cfg
                 out.append((4, dtype, c, gidx))
         for bits in (2, 3, 8):
-            for cfg in decode:
+            for _, cfg in table_configs(arch, bits):
                 if cfg.kind == "gemv" and cfg.BM != 1:
                     continue  # BM only repeats the per-row reduction
                 out.append((bits, dtype, cfg, False))
@@ -694,7 +744,8 @@ def aot_variants(arch: str = "gfx1100") -> list[tuple[int, torch.dtype, LaunchCo
 
 
 def aot_table(arch: str = "gfx1100") -> list[AotReport]:
-    reports = [aot_compile(b, dt, cfg, has_gidx=g, arch=arch) for b, dt, cfg, g in aot_variants()]
+    """Every variant of aot_variants(arch) compiled for arch (a gfx name or "sm<cc>")."""
+    reports = [aot_compile(b, dt, cfg, has_gidx=g, arch=arch) for b, dt, cfg, g in aot_variants(arch)]
     return reports + [aot_compile_reduce(dt, arch) for dt in _TL_DTYPE]
 
 
