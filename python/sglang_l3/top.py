@@ -9,8 +9,9 @@ interval) and exits, for scripts.
 
 Per session, explicit (a client's session_id) or implicit (named by the
 server, patch `implicit-sessions`): state (speaking: a request in flight;
-staging: a "speaks next" hint in flight; pinned: an open session, whose pages
-the store retains ahead of plain pages; idle), turns, context tokens, the
+staging: a "speaks next" hint in flight; retained: an open session, whose pages
+the store retains ahead of plain pages, except a one-off implicit one
+(`SessionRecord.one_off`); idle), turns, context tokens, the
 tokens of its last context on the device now (the scheduler's radix tree,
 patch `session-device-tokens`; "-" where the scheduler does not remember the
 session), tokens restorable from L3 (the session table's restorable pages x
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_l3.storage.cli import fmt_bytes
-from sglang_l3.storage.sessions import IMPLICIT_PREFIX
+from sglang_l3.storage.sessions import IMPLICIT_PREFIX, SessionRecord
 
 CLEAR = "\x1b[H\x1b[2J"
 _LINE = re.compile(r"^sglang_l3_(\w+)_total\{[^}]*\}\s+([0-9.eE+-]+)$")
@@ -125,6 +126,17 @@ def _source(cached: dict[str, int]) -> str:
     return " + ".join(parts) or ("computed" if cached else "-")
 
 
+def _one_off(sid: str, row: dict[str, Any]) -> bool:
+    """The store's own test (`SessionRecord.one_off`) on a row of the session listing."""
+    record = SessionRecord(
+        sid,
+        implicit=row.get("kind") == "implicit",
+        turns=int(row.get("turns") or 0),
+        tool_calls=int(row.get("tool_calls") or 0),
+    )
+    return record.one_off()
+
+
 def session_rows(s: dict[str, Any], page_size: int | None = None) -> list[dict[str, Any]]:
     """One row per session the server knows of (table or request stream), busiest first."""
     table = {r["id"]: r for r in s.get("sessions", []) if "id" in r}
@@ -139,10 +151,8 @@ def session_rows(s: dict[str, Any], page_size: int | None = None) -> list[dict[s
             state = "speaking"
         elif sid in staging:
             state = "staging"
-        elif t.get("state") == "open" and not (
-            t.get("kind") == "implicit" and int(t.get("turns") or 0) < 2 and not t.get("tool_calls")
-        ):
-            state = "pinned"  # (a one-off implicit session ranks with closed ones in the store)
+        elif t.get("state") == "open" and not _one_off(sid, t):
+            state = "retained"  # (a one-off implicit session ranks with closed ones in the store)
         else:
             state = "idle"
         restorable = t.get("restorable_pages")
@@ -162,7 +172,7 @@ def session_rows(s: dict[str, Any], page_size: int | None = None) -> list[dict[s
                 "last_source": a.get("cached", {}),
             }
         )
-    order = {"speaking": 0, "staging": 1, "pinned": 2, "idle": 3}
+    order = {"speaking": 0, "staging": 1, "retained": 2, "idle": 3}
     rows.sort(key=lambda r: (order[r["state"]], -(r["last_use"] or 0.0)))
     return rows
 

@@ -152,9 +152,9 @@ def test_top_live_in_a_terminal_and_once(tmp_path, hash_extension_built) -> None
         assert set(rows) - set(implicit) == {"planner", "coder"} and len(implicit) == 1, rows
         agent = rows[implicit[0]]
         assert agent["implicit"] and agent["turns"] == 2 and agent["context_tokens"] == plain_ctx, agent
-        assert agent["device_tokens"] == _full_pages(plain_ctx) and agent["state"] == "pinned", agent
+        assert agent["device_tokens"] == _full_pages(plain_ctx) and agent["state"] == "retained", agent
         assert rows["planner"]["turns"] == 2 and rows["planner"]["last_source"]["storage"] == restorable(P_LEN)
-        assert rows["planner"]["state"] in ("pinned", "idle") and rows["planner"]["l3_bytes"] > 0, rows
+        assert rows["planner"]["state"] in ("retained", "idle") and rows["planner"]["l3_bytes"] > 0, rows
         assert d["store_cap_bytes"] == CAP and 0 < d["store_bytes"] <= CAP, d
         assert d["metrics"] is True and set(d["rates"]) == {"restores/s", "pages read/s", "pages written/s"}
 

@@ -49,7 +49,7 @@ def _answer(activity: dict, staging: list[str]) -> dict:
     }
 
 
-def test_states_speaking_staging_pinned_idle() -> None:
+def test_states_speaking_staging_retained_idle() -> None:
     book = ActivityBook()
     t0 = book.started("talker")
     book.started("open-one")
@@ -57,7 +57,7 @@ def test_states_speaking_staging_pinned_idle() -> None:
     rows = {r["session"]: r for r in top.session_rows(_answer(book.rows(), ["closed-one"]), 64)}
     assert rows["talker"]["state"] == "speaking"
     assert rows["closed-one"]["state"] == "staging"
-    assert rows["open-one"]["state"] == "pinned"
+    assert rows["open-one"]["state"] == "retained"
     assert rows["open-one"]["l3_tokens"] == 4 * 64 and rows["open-one"]["context_tokens"] == 360
     assert rows["open-one"]["last_source"] == {"device": 0, "host": 0, "storage": 256}
     assert rows["open-one"]["last_first_output_s"] == 0.5
@@ -87,7 +87,7 @@ def test_frame_says_what_is_missing() -> None:
 def test_device_tokens_and_implicit_sessions() -> None:
     """The scheduler's device tokens go on the session's row ("-" where it does
     not remember the session); an implicit session is a row like any other, and
-    one with a single turn and no tool call is not shown pinned (the store ranks it
+    one with a single turn and no tool call is not shown retained (the store ranks it
     with closed ones); one whose first turn ended in a tool call is."""
     now = time.time()
     answer = _answer({}, [])
@@ -100,12 +100,12 @@ def test_device_tokens_and_implicit_sessions() -> None:
     rows = {r["session"]: r for r in top.session_rows(answer, 64)}
     assert rows["open-one"]["device_tokens"] == 256 and rows["closed-one"]["device_tokens"] is None
     assert rows["implicit-bb"]["device_tokens"] == 320 and rows["implicit-bb"]["implicit"]
-    assert rows["implicit-bb"]["state"] == "pinned" and rows["implicit-aa"]["state"] == "idle"
-    assert rows["implicit-cc"]["state"] == "pinned"
+    assert rows["implicit-bb"]["state"] == "retained" and rows["implicit-aa"]["state"] == "idle"
+    assert rows["implicit-cc"]["state"] == "retained"
     assert rows["gone-from-table"]["device_tokens"] == 64 and not rows["gone-from-table"]["implicit"]
     text = top.render(top.frame_data("http://x", top.Sample(1.0, answer, None), top.Sample(2.0, answer, None)))
     line = next(x for x in text.splitlines() if x.startswith("implicit-bb "))
-    assert line.split()[:6] == ["implicit-bb", "pinned", "0", "-", "320", str(5 * 64)], line
+    assert line.split()[:6] == ["implicit-bb", "retained", "0", "-", "320", str(5 * 64)], line
 
 
 def test_device_tokens_of_internal_states() -> None:
