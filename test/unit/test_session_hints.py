@@ -214,8 +214,26 @@ def test_routes_answer_clearly(monkeypatch, tmp_path):
     st = c.get(f"/sglang_l3/prefetch/{hid}").json()
     assert st["state"] in ("staging", "landed") and st["tokens"] == 3
     assert c.get("/sglang_l3/prefetch/nope").status_code == 404
+    # issue 49: the listing scans pages/ (seconds for a large store) off the event loop
+    import asyncio
+
+    from sglang_l3.storage import index
+
+    scans: list[bool] = []
+    real_scan = index.scan
+
+    def scan(root):
+        try:
+            asyncio.get_running_loop()
+            scans.append(True)  # on the HTTP server's event loop: every stream stalls meanwhile
+        except RuntimeError:
+            scans.append(False)
+        return real_scan(root)
+
+    monkeypatch.setattr(index, "scan", scan)
     info = c.get("/sglang_l3/sessions").json()
-    assert info["store"] == str(tmp_path) and info["sessions"] == []
+    assert info["store"] == str(tmp_path) and info["sessions"] == [] and info["store_bytes"] == 0
+    assert scans == [False], "GET /sglang_l3/sessions scanned the store on the event loop"
     tm.gracefully_exit = True
     assert c.post("/sglang_l3/prefetch", json={"input_ids": [1, 2, 3]}).status_code == 503
     # drop through the server: unknown -> 404, known -> upstream's close message
@@ -230,6 +248,7 @@ def test_routes_answer_clearly(monkeypatch, tmp_path):
     tm.close_session = close_session
     r = c.delete("/sglang_l3/sessions/nobody")
     assert r.status_code == 404 and "unknown session" in r.json()["error"] and not closes
+    assert scans == [False, False], "DELETE /sglang_l3/sessions/ID scanned the store on the event loop"
     BOOK.remember("agent-x", [1, 2])
     r = c.delete("/sglang_l3/sessions/agent-x")
     assert r.status_code == 200 and r.json() == {"dropped": "agent-x"}

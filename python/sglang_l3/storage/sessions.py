@@ -278,9 +278,17 @@ def session_rows(root: str, model: str | None = None) -> list[dict[str, Any]]:
     digest prefix or name): state, priority, tokens, chain pages, pages stored, the
     restorable prefix, bytes, last use and the key chain. A table that cannot be read
     is a row with `table` and `error`. Offline: reads page names and tables only."""
+    return session_inventory(root, model)[0]
+
+
+def session_inventory(root: str, model: str | None = None) -> tuple[list[dict[str, Any]], int]:
+    """`session_rows` and the bytes of every page file of the store (all models and
+    ranks: its use against the cap), from one scan of pages/. Reads the disk: a server
+    runs it off its event loop."""
     from sglang_l3.storage import index
 
     scan = index.scan(root)
+    total = sum(p.size for p in scan.pages)
     mids = index.match_model(scan, model) if model else None
     sizes: dict[tuple[str, str], int] = {}
     kv: set[tuple[str, str]] = set()
@@ -292,11 +300,11 @@ def session_rows(root: str, model: str | None = None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     names = list_tables(root)
     if not names:
-        return out
+        return out, total
     try:
         dirs = StoreDirs(root, create=False)
     except (UnsafeStoreError, OSError) as e:
-        return [{"table": root, "error": str(e)}]
+        return [{"table": root, "error": str(e)}], total
     with dirs:
         tables = []
         for name in names:
@@ -331,4 +339,4 @@ def session_rows(root: str, model: str | None = None) -> list[dict[str, Any]]:
                     "keys": r.keys,
                 }
             )
-    return out
+    return out, total

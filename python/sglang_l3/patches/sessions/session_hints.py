@@ -28,10 +28,8 @@ and load-back stage it, on every TP rank alike.
 # No `from __future__ import annotations`: FastAPI reads the route handlers'
 # annotations (Request) at runtime, from this module's globals.
 import asyncio
-import contextlib
 import json
 import logging
-import os
 import sys
 import time
 from typing import Any
@@ -73,19 +71,6 @@ def store_root(tm: Any) -> str | None:
     return None if settings is None else str(settings.root)
 
 
-def _pages_bytes(root: str) -> int:
-    """Bytes of the store's page files (every model, every rank): its use against the cap."""
-    total = 0
-    try:
-        with os.scandir(os.path.join(root, "pages")) as it:
-            for e in it:
-                with contextlib.suppress(OSError):  # evicted meanwhile
-                    total += e.stat(follow_symlinks=False).st_size
-    except OSError:
-        return 0
-    return total
-
-
 def add_routes(app: Any) -> None:
     from fastapi import Request
     from fastapi.responses import JSONResponse
@@ -124,13 +109,16 @@ def add_routes(app: Any) -> None:
 
     async def sessions() -> JSONResponse:
         from sglang_l3.sessions.activity import ACTIVITY
-        from sglang_l3.storage.sessions import session_rows
+        from sglang_l3.storage.sessions import session_inventory
 
         tm = _tm()
         device = None if tm is None else await _device_tokens(tm)
         settings = _store_settings(tm) if tm is not None else None
         root = None if settings is None else str(settings.root)
-        rows = [] if root is None else [{k: v for k, v in r.items() if k != "keys"} for r in session_rows(root)]
+        # one scan of pages/ (seconds for a large store), off the event loop: both agents'
+        # streams go through it, and `top` polls this every 2 s
+        found, pages_bytes = ([], None) if root is None else await asyncio.to_thread(session_inventory, root)
+        rows = [{k: v for k, v in r.items() if k != "keys"} for r in found]
         states: dict[str, int] = {}
         staging: list[str] = []
         for h in BOOK.hints.values():
@@ -148,7 +136,7 @@ def add_routes(app: Any) -> None:
                 # the scheduler's: full-KV tokens of each remembered session's context on the device
                 "device_tokens": device,
                 "staging": sorted(set(staging)),
-                "store_bytes": None if root is None else _pages_bytes(root),
+                "store_bytes": pages_bytes,
                 "store_cap_bytes": None if settings is None else int(settings.max_bytes),
                 "page_size": live_value(tm, "page_size"),
             }
@@ -172,7 +160,9 @@ def add_routes(app: Any) -> None:
             )
         if not valid_session_id(session_id):
             return JSONResponse({"error": f"invalid session id {session_id!r}"}, status_code=400)
-        known = session_id in BOOK.contexts or any(r.get("id") == session_id for r in session_rows(root))
+        known = session_id in BOOK.contexts or any(
+            r.get("id") == session_id for r in await asyncio.to_thread(session_rows, root)
+        )
         if not known:
             return JSONResponse({"error": f"unknown session {session_id!r}"}, status_code=404)
         # to every scheduler rank as upstream's close message (patch `sessions` turns it into a drop)
