@@ -315,6 +315,7 @@ def _truncate(cache: Any, op: Any, pages: int, reason: str = "device_capacity") 
 UPSTREAM = "upstream"  # _start's verdict: the (truncated) hit now fits the host arena
 WAIT = "wait"  # _start's verdict: park the hit, the device frees rows for it soon
 _FLAGS = "_l3_restorable_flags"
+_FLAGS_SHAPE = "_l3_restorable_flags_shape"  # (hit pages, page offset, start) the flags were agreed for
 _WAITED = "_l3_waited_rows"
 
 
@@ -341,26 +342,42 @@ def _restart_budget(cache: Any, handle: Any) -> None:
 def _device_fit(pipe: Any, op: Any, hit_tokens: int) -> int:
     """Tokens of the hit the device pool can take now (free + evictable, page-floored;
     the last piece included, so admission does not defer on the restored part), and the
-    longest restorable prefix within that, MIN-reduced across TP ranks in one collective
-    (this runs in the hit drain, a lockstep point, for every stream start)."""
+    longest restorable prefix within that, MIN-reduced across TP ranks (this runs in the
+    hit drain, a lockstep point, for every stream start and every retry of a parked hit).
+
+    A hit that waits for rows is retried every tick (issue 49): it evicts nothing while
+    free + evictable rows cannot take it anyway (it would wait all the same, and the
+    contexts evicted would be lost for nothing), and its per-length restorable flags
+    (hit_pages + 1 entries: 262K at page size 1 and 256K tokens) are reduced once per
+    shape of the op, then only the fit travels."""
     cache = pipe._cache
     page = cache.page_size
     allocator = cache.token_to_kv_pool_allocator
     avail = allocator.available_size()
-    if avail < hit_tokens:
+    if avail < hit_tokens and (
+        avail + cache.full_evictable_size() >= hit_tokens or not waits_for_rows(cache, hit_tokens)
+    ):
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         cache.evict_for_alloc(EvictParams(num_tokens=hit_tokens - avail))
     fit = allocator.available_size() // page * page
     hit_pages = hit_tokens // page
-    t = torch.tensor(_restorable_flags(op, hit_pages) + [fit], dtype=torch.int64)
-    cache._all_reduce(t, torch.distributed.ReduceOp.MIN)
-    agreed = t.tolist()
-    op.__dict__[_FLAGS] = agreed[:-1]  # kept for a cut below a damaged page (_storage_error)
-    fit = int(agreed[-1])
+    shape = (hit_pages, op.prefetch_kv_page_offset, op.storage_start)
+    agreed_flags = op.__dict__.get(_FLAGS) if op.__dict__.get(_FLAGS_SHAPE) == shape else None
+    if agreed_flags is None:
+        t = torch.tensor(_restorable_flags(op, hit_pages) + [fit], dtype=torch.int64)
+        cache._all_reduce(t, torch.distributed.ReduceOp.MIN)
+        agreed = t.tolist()
+        agreed_flags = op.__dict__[_FLAGS] = agreed[:-1]  # kept for a cut below a damaged page (_storage_error)
+        op.__dict__[_FLAGS_SHAPE] = shape
+        fit = int(agreed[-1])
+    else:
+        t = torch.tensor([fit], dtype=torch.int64)
+        cache._all_reduce(t, torch.distributed.ReduceOp.MIN)
+        fit = int(t.item())
     if fit >= hit_tokens:
         return hit_tokens
-    best = max((c for c in range(1, hit_pages + 1) if agreed[c] and c * page <= fit), default=0)
+    best = max((c for c in range(1, hit_pages + 1) if agreed_flags[c] and c * page <= fit), default=0)
     return best * page
 
 
