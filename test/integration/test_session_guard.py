@@ -11,7 +11,7 @@ protection cases fail (the hint evicts B)."""
 from __future__ import annotations
 
 import pytest
-from sglang_l3.patches.sessions.session_api import registry_of
+from sglang_l3.patches.sessions.sessions import registry_of
 from sglang_l3.sessions.hints import DEFERRED_DEVICE_FULL, hint_rid
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import HybridSpec, L3Stack

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from sglang_l3.patches.sessions.session_api import registry_of
+from sglang_l3.patches.sessions.sessions import registry_of
 from sglang_l3.storage.format import parse_page_name
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import HybridSpec, L3Stack
@@ -147,7 +147,7 @@ def _running_turn_under_the_cap(tmp_path, core, *, protect_at_arrival: bool = Tr
         assert h.s.chunked_req is turn2 and not turn2.finished()
         st.flush_backups()
         backend = st.cache.cache_controller.storage_backend
-        from sglang_l3.patches.sessions.session_api import context_keys
+        from sglang_l3.patches.sessions.sessions import context_keys
 
         chain, _ = context_keys(st.cache, turn2)
         new = [k for k in chain[len(SEQ) + 1 :] if backend.exists(k)]
@@ -183,7 +183,7 @@ def test_drop_through_the_scheduler_forgets_the_session(tmp_path):
     from sglang.srt.managers.io_struct import CloseSessionReqInput
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.session.session_controller import SessionController
-    from sglang_l3.patches.sessions.session_api import DROP_MARK
+    from sglang_l3.patches.sessions.sessions import DROP_MARK
 
     spec = HybridSpec(page_size=1, kv_size=2048)
     with L3Stack(spec, str(tmp_path)) as st:
@@ -215,7 +215,7 @@ def _rewritten_history(tmp_path, core, *, demote: bool = True):
     import hashlib
 
     import torch
-    from sglang_l3.patches.sessions.session_api import context_keys
+    from sglang_l3.patches.sessions.sessions import context_keys
     from sglang_l3.storage.retention import SessionRetention
 
     spec = HybridSpec(page_size=1, kv_size=2048)

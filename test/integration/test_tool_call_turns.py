@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from sglang_l3.patches.sessions import tool_call_turns as patch
-from sglang_l3.patches.sessions.session_api import context_keys, registry_of
+from sglang_l3.patches.sessions.sessions import context_keys, registry_of
 from sglang_l3.sessions.turn_pairs import METHOD
 from sglang_l3.storage.retention import CLOSED, OPEN
 from sglang_l3.storage.sessions import IMPLICIT_PREFIX

@@ -265,6 +265,40 @@ def test_patches_has_one_subpackage_per_series_group() -> None:
     }
 
 
+def module_mismatches(entries: list[dict]) -> list[str]:
+    """Series entries whose module is not named for the patch: its leaf is neither the
+    id nor the id without its group's prefix (`cpu-host-pools` in `cpu/host_pools.py`),
+    and the entry has no `module_why` saying why (a family module hosting several)."""
+    bad = []
+    for e in entries:
+        leaf = e["module"].rpartition(".")[2]
+        pid = e["id"].replace("-", "_")
+        group = e.get("group", "").replace("-", "_")
+        named = leaf == pid or (pid.startswith(group + "_") and leaf == pid[len(group) + 1 :])
+        if not named and not e.get("module_why", "").strip():
+            bad.append(f"{e['id']}: module {e['module']} (name it for the patch, or say why in module_why)")
+    return bad
+
+
+def test_module_is_named_for_the_patch_or_the_entry_says_why() -> None:
+    import tomllib
+
+    from sglang_l3.patches.framework import SERIES_PATH
+
+    with open(SERIES_PATH, "rb") as f:
+        entries = tomllib.load(f)["patch"]
+    assert module_mismatches(entries) == []
+    # negative control: the shapes the check must catch and pass
+    probe = [
+        {"id": "sessions", "group": "sessions", "module": "sglang_l3.patches.sessions.session_api"},
+        {"id": "cpu-host-pools", "group": "cpu", "module": "sglang_l3.patches.cpu.host_pools"},
+        {"id": "tp-x", "group": "tp", "module": "sglang_l3.patches.tp.agreement", "module_why": "a family"},
+    ]
+    assert module_mismatches(probe) == [
+        "sessions: module sglang_l3.patches.sessions.session_api (name it for the patch, or say why in module_why)"
+    ]
+
+
 def test_the_check_sees_a_violation(tmp_path) -> None:
     """The walker catches both shapes of import (negative control of the check)."""
     p = PKG / "quant" / "_layering_probe.py"

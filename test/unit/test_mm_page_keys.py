@@ -28,13 +28,8 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang_l3.live_config import l3_attached
 from sglang_l3.patches import framework
 from sglang_l3.patches.serving.lora_key_namespace import client_key, namespace_extra_key
-from sglang_l3.patches.serving.mm_page_keys import (
-    REFUSAL,
-    check_request,
-    folded_hash,
-    identity_key_in,
-    supplied,
-)
+from sglang_l3.patches.serving.mm_grid_hash import folded_hash
+from sglang_l3.patches.serving.mm_hashes_guard import REFUSAL, check_request, identity_key_in, supplied
 
 
 def _spec(pid: str) -> framework.PatchSpec:
@@ -127,7 +122,7 @@ def test_a_transferred_item_keeps_its_pads() -> None:
 
 def test_fold_is_the_same_in_every_process() -> None:
     meta = {"image_grid_thw": [[1, 4, 2]]}
-    code = f"from sglang_l3.patches.serving.mm_page_keys import folded_hash;print(folded_hash(2**63 + 5, 'IMAGE', {meta!r}))"
+    code = f"from sglang_l3.patches.serving.mm_grid_hash import folded_hash;print(folded_hash(2**63 + 5, 'IMAGE', {meta!r}))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         check=True,

@@ -238,7 +238,7 @@ def test_routes_answer_clearly(monkeypatch, tmp_path):
     assert c.post("/sglang_l3/prefetch", json={"input_ids": [1, 2, 3]}).status_code == 503
     # drop through the server: unknown -> 404, known -> upstream's close message
     # carrying DROP_MARK (what every scheduler rank's registry turns into a drop)
-    from sglang_l3.patches.sessions.session_api import DROP_MARK
+    from sglang_l3.patches.sessions.sessions import DROP_MARK
 
     closes = []
 

@@ -1,3 +1,3 @@
 """Group `serving`: what a request may carry into the page keys: checked input ids,
-server-derived media hashes (`mm_page_keys`), a LoRA namespace no client key can name
+server-derived media hashes (`mm_hashes_guard`, `mm_grid_hash`), a LoRA namespace no client key can name
 (`lora_key_namespace`)."""

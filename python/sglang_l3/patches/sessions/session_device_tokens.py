@@ -20,8 +20,8 @@ import logging
 from typing import Any
 
 from sglang_l3.patches.framework import PatchContext
-from sglang_l3.patches.sessions.session_api import registry_of
 from sglang_l3.patches.sessions.session_guard import contexts_of
+from sglang_l3.patches.sessions.sessions import registry_of
 from sglang_l3.sessions.activity import DEVICE_TOKENS_KEY
 
 logger = logging.getLogger("sglang_l3.session_device_tokens")

@@ -58,7 +58,7 @@ from typing import Any
 
 from sglang_l3 import metrics
 from sglang_l3.patches.framework import PatchContext
-from sglang_l3.patches.sessions.session_api import registry_of, session_id_of
+from sglang_l3.patches.sessions.sessions import registry_of, session_id_of
 from sglang_l3.sessions.hints import DEFERRED_DEVICE_FULL, HINT_RID_PREFIX, hint_session
 
 logger = logging.getLogger("sglang_l3.session_guard")

@@ -145,7 +145,7 @@ def add_routes(app: Any) -> None:
     async def drop_session(session_id: str) -> JSONResponse:
         from sglang.srt.managers.io_struct import CloseSessionReqInput
 
-        from sglang_l3.patches.sessions.session_api import DROP_MARK
+        from sglang_l3.patches.sessions.sessions import DROP_MARK
         from sglang_l3.sessions.activity import ACTIVITY
         from sglang_l3.storage.sessions import session_rows, valid_session_id
 

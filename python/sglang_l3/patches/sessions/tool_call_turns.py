@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_l3.patches.framework import PatchContext
-from sglang_l3.patches.sessions.session_api import registry_of
+from sglang_l3.patches.sessions.sessions import registry_of
 from sglang_l3.sessions.turn_pairs import METHOD
 
 logger = logging.getLogger("sglang_l3.tool_turns")
