@@ -95,7 +95,7 @@ T=$(( $(left) - 10 ))
 if (( T < 60 )); then say "only ${T}s left: benchmark skipped"; exit 4; fi
 say "benchmark/gptq_bench.py, M = 1..16, K = N = 4096/8192 + Qwen3.5-27B TP=2 layers (limit ${T}s)"
 BENCH=(benchmark/gptq_bench.py --ms 1 2 4 8 16 --sizes 4096 8192 --model Qwen3.5-27B --tp 2 --iters 100
-       --sweep --sweep-deadline-s $(( T - 90 )) --json "$OUT_DIR/gptq_bench.json")
+       --sweep --sweep-deadline-s $(( T - 20 )) --json "$OUT_DIR/gptq_bench.json")
 (( DRY )) && BENCH+=(--dry-run)
 timeout --kill-after=10 "$T" "$PY" "${BENCH[@]}" 2>&1 | tee "$OUT_DIR/gptq_bench.txt"
 GB=${PIPESTATUS[0]}

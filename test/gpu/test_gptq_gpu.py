@@ -50,7 +50,7 @@ def test_compiled_triton_matches_reference(combo) -> None:
 
     bits, (gs, act), sym, fmt, dtype = combo
     L = _layer(bits, gs, act, sym, fmt, dtype)
-    for m in (1, 19, 40, 130):
+    for m in (1, 2, 3, 8, 16, 19, 40, 130):  # GEMV 1/2/4 rows, split-K tl.dot, tl.dot tiles
         x = R.check_inputs(m, K, dtype, DEV, seed=m)
         out = gptq_gemm(x, L.qweight, L.qzeros, L.scales, L.g_idx if act else None, bits, gs, fmt)
         c = R.compare(out, x.float() @ L.w, dtype)
