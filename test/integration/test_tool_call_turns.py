@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from sglang_l3.patches.sessions import tool_call_turns as patch
 from sglang_l3.patches.sessions.sessions import context_keys, registry_of
-from sglang_l3.sessions.turn_pairs import METHOD
+from sglang_l3.sessions.rpc import TOOL_TURN as METHOD
 from sglang_l3.storage.retention import CLOSED, OPEN
 from sglang_l3.storage.sessions import IMPLICIT_PREFIX
 from sglang_l3.testing.scheduler_harness import SchedulerHarness

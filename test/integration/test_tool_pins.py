@@ -17,7 +17,8 @@ from array import array
 import pytest
 from sglang_l3 import metrics
 from sglang_l3.patches.sessions import tool_pins as tp
-from sglang_l3.sessions.pin_book import EXPIRED, METHOD, PIN, RETURNED
+from sglang_l3.sessions.pin_book import EXPIRED, PIN, RETURNED
+from sglang_l3.sessions.rpc import TOOL_PIN as METHOD
 from sglang_l3.testing import idle_check
 from sglang_l3.testing.scheduler_harness import SchedulerHarness
 from sglang_l3.testing.stack import HybridSpec, L3Stack

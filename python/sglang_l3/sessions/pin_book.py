@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sglang_l3 import envs, metrics
+from sglang_l3.sessions import rpc
 from sglang_l3.sessions.return_prediction import ReturnPredictor, percentile_setting
 
 logger = logging.getLogger("sglang_l3.tool_pins")
 
-METHOD = "sglang_l3_tool_pin"  # the RpcReqInput method the scheduler side takes out of the stream
 PIN, RETURNED, EXPIRED = "pin", "returned", "expired"  # message ops (also counter labels)
 MAX_PINS = 32  # pins held at once (the one expiring last gives way first: see patches/sessions/tool_pins.py)
 ENV = "SGLANG_L3_TOOL_PIN"
@@ -124,11 +124,9 @@ def book() -> PinBook | None:
     return _BOOK or None
 
 
-def send(tm: Any, op: str, sid: str, order_ms: int = 0) -> None:
-    """One pin message to the scheduler ranks (TP rank 0 broadcasts it)."""
-    from sglang.srt.managers.io_struct import RpcReqInput
-
-    tm._dispatch_to_scheduler(RpcReqInput(method=METHOD, parameters={"op": op, "session": sid, "order": order_ms}))
+def send_pin(tm: Any, op: str, sid: str, order_ms: int = 0) -> None:
+    """One pin message (`rpc.TOOL_PIN`) to the scheduler ranks."""
+    rpc.send(tm, rpc.TOOL_PIN, {"op": op, "session": sid, "order": order_ms})
 
 
 def on_answer(sid: str) -> None:
@@ -147,7 +145,7 @@ def on_arrival(tm: Any, sid: str) -> None:
         if p.handle is not None:
             p.handle.cancel()
         try:
-            send(tm, RETURNED, sid)
+            send_pin(tm, RETURNED, sid)
         except Exception:  # noqa: BLE001 - placement only: never fail the request
             logger.exception("sglang-l3 tool pin: cannot send the return of %s", sid)
 
@@ -168,7 +166,7 @@ def _pin(tm: Any, b: PinBook, rid: str, sid: str) -> None:
         if old.handle is not None:
             old.handle.cancel()
     # order: the pin's expiry on this process's clock, the same number on every rank
-    send(tm, PIN, sid, int(p.expires * 1000))
+    send_pin(tm, PIN, sid, int(p.expires * 1000))
     p.handle = asyncio.get_running_loop().call_later(ttl, _expire, tm, sid, rid)
     logger.info("sglang-l3 tool pin: session %s pinned on the device for %.1f s", sid, ttl)
 
@@ -178,7 +176,7 @@ def _expire(tm: Any, sid: str, rid: str) -> None:
     if b is None or b.expire(sid, rid) is None:
         return
     try:
-        send(tm, EXPIRED, sid)
+        send_pin(tm, EXPIRED, sid)
     except Exception:  # noqa: BLE001 - a lost unpin leaves the pin to the scheduler's cap
         logger.exception("sglang-l3 tool pin: cannot send the expiry of %s", sid)
 
@@ -187,7 +185,6 @@ __all__ = [
     "ENV",
     "ENV_MAX",
     "EXPIRED",
-    "METHOD",
     "PIN",
     "RETURNED",
     "PinBook",
@@ -196,5 +193,5 @@ __all__ = [
     "on_answer",
     "on_arrival",
     "on_tool_turn",
-    "send",
+    "send_pin",
 ]

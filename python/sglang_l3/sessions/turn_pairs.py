@@ -26,9 +26,10 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
+from sglang_l3.sessions import rpc
+
 logger = logging.getLogger("sglang_l3.tool_turns")
 
-METHOD = "sglang_l3_tool_turn"  # the RpcReqInput method the scheduler side takes out of the stream
 MAX_RECENT = 4096  # finished turns (rid -> session) awaiting their parsed answer, and the reverse
 
 
@@ -87,13 +88,6 @@ def tool_call_rid(chunk: Any) -> str | None:
     return None
 
 
-def send(tm: Any, sid: str) -> None:
-    """Tell the scheduler ranks that a turn of sid ended in a tool call."""
-    from sglang.srt.managers.io_struct import RpcReqInput
-
-    tm._dispatch_to_scheduler(RpcReqInput(method=METHOD, parameters={"session": sid}))
-
-
 def on_finished(tm: Any, rid: str, sid: str) -> None:
     """rid, a turn of implicit session sid, finished (its output is known)."""
     if PAIRS.finished(rid, sid):
@@ -113,7 +107,7 @@ def _tool_turn(tm: Any, rid: str, sid: str) -> None:
     if not single_rank(tm):
         return
     try:
-        send(tm, sid)
+        rpc.send(tm, rpc.TOOL_TURN, {"session": sid})  # tell the scheduler ranks
     except Exception:  # noqa: BLE001 - placement only: never fail an answer
         logger.exception("sglang-l3 tool turns: cannot tell the scheduler about %s", sid)
     pin_book.on_tool_turn(tm, rid, sid)
@@ -121,12 +115,10 @@ def _tool_turn(tm: Any, rid: str, sid: str) -> None:
 
 __all__ = [
     "MAX_RECENT",
-    "METHOD",
     "PAIRS",
     "TurnPairs",
     "on_finished",
     "on_tool_call",
-    "send",
     "single_rank",
     "tool_call_rid",
 ]

@@ -25,39 +25,16 @@ Counter: `session_tool_turns`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from sglang_l3.patches.framework import PatchContext
 from sglang_l3.patches.sessions.sessions import registry_of
-from sglang_l3.sessions.turn_pairs import METHOD
+from sglang_l3.sessions import rpc
 
 logger = logging.getLogger("sglang_l3.tool_turns")
 
 SCHED = "sglang.srt.managers.scheduler:Scheduler"
 CHAT = "sglang.srt.entrypoints.openai.serving_chat:OpenAIServingChat"
-
-
-def take_messages(recv_reqs: list, method: str, apply: Callable[[dict[str, Any]], None], what: str) -> list:
-    """Apply our `RpcReqInput` messages of `method` among recv_reqs, in order, and
-    return the rest, in order (upstream never sees ours)."""
-    from sglang.srt.managers.io_struct import RpcReqInput
-
-    def ours(r: Any) -> bool:
-        return isinstance(r, RpcReqInput) and r.method == method
-
-    if not any(ours(r) for r in recv_reqs):
-        return recv_reqs
-    rest = []
-    for r in recv_reqs:
-        if not ours(r):
-            rest.append(r)
-            continue
-        try:
-            apply(dict(r.parameters or {}))
-        except Exception:  # placement only: never take the scheduler down
-            logger.exception("sglang-l3 %s: cannot apply %s", what, r.parameters)
-    return rest
 
 
 def apply_message(registry: Any, params: dict[str, Any]) -> None:
@@ -67,8 +44,8 @@ def apply_message(registry: Any, params: dict[str, Any]) -> None:
 
 def _process_input_requests(original: Any, sched: Any, recv_reqs: Any, *args: Any, **kwargs: Any) -> Any:
     if recv_reqs:  # the registry is looked up only when a message of ours is there (most iterations have none)
-        recv_reqs = take_messages(
-            recv_reqs, METHOD, lambda params: apply_message(registry_of(sched.tree_cache), params), "tool turn"
+        recv_reqs = rpc.take(
+            recv_reqs, rpc.TOOL_TURN, lambda params: apply_message(registry_of(sched.tree_cache), params), "tool turn"
         )
     return original(sched, recv_reqs, *args, **kwargs)
 

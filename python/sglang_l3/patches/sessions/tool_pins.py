@@ -43,8 +43,8 @@ from typing import Any
 from sglang_l3 import metrics
 from sglang_l3.patches.framework import PatchContext
 from sglang_l3.patches.sessions.session_guard import contexts_of
-from sglang_l3.patches.sessions.tool_call_turns import take_messages
-from sglang_l3.sessions.pin_book import EXPIRED, MAX_PINS, METHOD, PIN, RETURNED
+from sglang_l3.sessions import rpc
+from sglang_l3.sessions.pin_book import EXPIRED, MAX_PINS, PIN, RETURNED
 
 logger = logging.getLogger("sglang_l3.tool_pins")
 
@@ -126,7 +126,7 @@ def touch_pinned(cache: Any) -> None:
 
 def take_pin_messages(cache: Any, recv_reqs: list) -> list:
     """Apply the pin messages among recv_reqs, in order; the rest, in order."""
-    return take_messages(recv_reqs, METHOD, lambda params: apply_message(cache, params), "tool pin")
+    return rpc.take(recv_reqs, rpc.TOOL_PIN, lambda params: apply_message(cache, params), "tool pin")
 
 
 def _process_input_requests(original: Any, sched: Any, recv_reqs: Any, *args: Any, **kwargs: Any) -> Any:
