@@ -14,6 +14,8 @@ its baseline.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from sglang_l3 import metrics
 from sglang_l3.patches.hicache.streamed_restore import lane_of
@@ -77,3 +79,44 @@ def test_a_parked_hit_evicts_nothing_for_nothing_and_reduces_its_flags_once(tmp_
         req, loaded = st.admit(h, seq, "parked")
         st.check_restored(seq, req, loaded, want, kv=True)
         back_to_baseline(st, req)
+
+
+def test_hits_parked_behind_a_waiting_hit_keep_their_timeout_budget(tmp_path) -> None:
+    """Upstream retries parked hits in order, so a hit waiting for device rows holds
+    every L3 hit behind it. With `--hicache-storage-prefetch-policy timeout` the head's
+    budget restarted while it waited, but not theirs: a small hit behind it expired and
+    recomputed. Now theirs restart too; once rows free, both restore."""
+    seq = list(range(11, 11 + CONTEXT))
+    small = list(range(70_000, 70_000 + 4 * PAGE))
+    with _stack(tmp_path, "rust") as w:
+        w.write(seq, marker=3.0)
+        w.write(small, marker=6.0)
+        w.settle()
+    with _stack(tmp_path, "rust") as st:
+        cache = st.cache
+        cache.prefetch_stop_policy = "timeout"
+        cache.prefetch_timeout_base, cache.prefetch_timeout_per_page = 0.3, 0.0
+        busy = st.allocator.alloc(st.allocator.available_size() - CONTEXT // 2)
+        assert busy is not None
+        waited = metrics.get("l3_stream_restore", "waited_busy")
+        head = st.start_prefetch(seq, "head")
+        pump(cache, lambda: metrics.get("l3_stream_restore", "waited_busy") > waited, "the head to wait")
+        behind = st.start_prefetch(small, "behind")
+        pump(cache, lambda: len(cache.buffer_pipeline.pending_hit_allocs) == 2, "the small hit to park behind")
+        deadline = time.monotonic() + 4 * cache.prefetch_timeout_base
+        while time.monotonic() < deadline:  # admission polls both, past a whole budget
+            cache.check_hicache_events()
+            assert not cache.check_prefetch_progress(head), "the waiting head was stopped"
+            assert not cache.check_prefetch_progress(behind), "the hit parked behind it expired"
+            time.sleep(0.01)
+        cache.prefetch_stop_policy = "wait_complete"  # the reads themselves are not under test
+        st.allocator.free(busy)
+        for h, ids in ((head, seq), (behind, small)):
+            pump(
+                cache,
+                lambda h=h: cache.check_prefetch_progress(h) and cache.buffer_pipeline.has_staged(h),
+                "the hit to stage",
+            )
+            assert cache.pop_prefetch_loaded_tokens(h) == len(ids)
+            cache.buffer_pipeline.release_staged_hold(h)
+        back_to_baseline(st)

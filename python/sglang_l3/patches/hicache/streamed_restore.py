@@ -57,7 +57,8 @@ own rather than by upstream's prefetch thread):
   whole remaining prompt on the device), and a hit cut to what fits now would
   recompute the rest. While it waits for rows, upstream's `timeout` budget restarts
   (it is the store read's budget, as on upstream's own staged path, where admission
-  defers on device capacity after the read). Counted once per op in
+  defers on device capacity after the read), its own and that of every hit parked
+  behind it (upstream retries parked hits in order: they wait for it). Counted once per op in
   `l3_stream_restore{waited_write}` (rows held for queued L3 writes, patch
   write-guard, would make it fit) or `{waited_busy}` (other rows).
 - Short device pool: when the hit is larger than the whole device pool, the op is
@@ -416,7 +417,12 @@ def _start(pipe: Any, op: Any, hit_tokens: int) -> Stream | str | None:
         # finish, streams land, L3 writes stage (queued: patch write-guard, whose valve
         # opens them if a staged restore blocks the queue; D2H in flight: upstream's
         # lock). Wait for them, parked and holding nothing, instead of cutting the hit.
+        # Upstream retries parked hits in order: the hits parked behind this one wait for
+        # it, not for their own read, so their budgets restart too (issue 49: they expired
+        # and recomputed while only the head's restarted).
         _restart_budget(cache, handle)
+        for behind in pipe.pending_hit_allocs:
+            _restart_budget(cache, behind.handle)
         if not op.__dict__.get(_WAITED):
             op.__dict__[_WAITED] = True
             write = fit + write_guard.write_held_tokens(pipe) >= hit_tokens
