@@ -361,15 +361,15 @@ class ArchTable:
 
 
 # Not measured yet (no GPU when they were written, issue 53): starting points from
-# the kernels' structure and their AOT compiles (test_gptq_aot.py). sm90 (H200, 132
-# SMs): 64-column GEMV tiles of one g128 group, 4 warps (4-bit, sequential groups:
-# 84 registers at 1 row, 168 at 2 or 4; 8 warps take more), K split until ~8
-# programs per SM. gfx1100 (7900 XTX, wave32):
-# every tile here compiles spill-free for gfx1100 (GEMV BN64-BK64 with 4 warps
-# spills at 4 rows with g_idx; 8 warps does not); the split-K tl.dot tile is the old
-# decode tile (BM16-BN64-BK32, 4 warps), the only dot tile that does not spill.
-# "cpu" is the interpreter's (CPU tests): short slices so that small test layers
-# reach the split-K path. benchmark/gptq_bench.py --sweep times alternatives.
+# the kernels' structure and their AOT compiles (test_gptq_aot.py, Triton 3.8).
+# sm90 (H200, 132 SMs): 64-column GEMV tiles of one g128 group, 4 warps (4-bit,
+# sequential groups: 84 registers at 1 row, 168 at 2 or 4, no local memory; 8 warps
+# took more), K split until ~8 programs per SM. gfx1100 (7900 XTX, wave32): every
+# tile compiles spill-free (the GEMV BN64-BK64 with 4 warps spilled at 4 rows with
+# g_idx, 8 warps does not); the split-K tl.dot tile is the old decode tile
+# (BM16-BN64-BK32, 4 warps), the only dot tile that does not spill. "cpu" is the
+# interpreter's (CPU tests): short slices so that small test layers reach the
+# split-K path. benchmark/gptq_bench.py --sweep times alternatives on a GPU.
 ARCH_TABLES: dict[str, ArchTable] = {
     "sm90": ArchTable(4, (64, 128, 4), 16, (16, 64, 32, 4), 8, 256, 16, 132),
     "gfx1100": ArchTable(4, (64, 64, 8), 16, (16, 64, 32, 4), 8, 256, 16, 96),
@@ -407,10 +407,6 @@ def compute_units(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).multi_processor_count)
     return ARCH_TABLES["cpu"].cus
-
-
-def _pow2_at_most(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
 
 
 def values_per_word(bits: int) -> int:
