@@ -60,7 +60,8 @@ def _extract(w_lo, w_hi, off, BITS: tl.constexpr):
     return (val & mask).to(tl.int32)
 
 
-@triton.jit
+# M varies call to call (batch size): not specialized, one compile serves every M
+@triton.jit(do_not_specialize=["M"])
 def gptq_gemm_kernel(
     x_ptr,
     qw_ptr,
@@ -171,7 +172,8 @@ def gptq_gemm_kernel(
         tl.store(out_ptr + offs_m[:, None] * som + offs_n[None, :] * son, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.jit
+# M varies call to call (batch size): not specialized, one compile serves every M
+@triton.jit(do_not_specialize=["M"])
 def gptq_gemv_kernel(
     x_ptr,
     qw_ptr,
@@ -301,7 +303,7 @@ def gptq_gemv_kernel(
         tl.store(base + mi * som + offs_n * son, row, mask=n_ok & (mi < M))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MN", "split"])
 def splitk_reduce_kernel(part_ptr, out_ptr, MN, split, BLOCK: tl.constexpr):
     """out[i] = sum over s in 0..split-1, in that order, of part[s, i] (fp32), cast."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
