@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_l3 import metrics
+from sglang_l3.sessions.contexts import ContextBook
 from sglang_l3.sessions.return_prediction import ReturnPredictor, configured_percentile
 
 logger = logging.getLogger(__name__)
@@ -74,18 +75,16 @@ class Hint:
 
 class HintBook:
     def __init__(self) -> None:
-        self.contexts: OrderedDict[str, list[int]] = OrderedDict()
+        # each session's last context (a hint can name the session), bounded in bytes
+        self.contexts = ContextBook(MAX_CONTEXTS)
         self.hints: OrderedDict[str, Hint] = OrderedDict()
 
     # ------------------------------------------------------------ contexts
     def remember(self, sid: str, ids: list[int]) -> None:
-        self.contexts[sid] = list(ids)
-        self.contexts.move_to_end(sid)
-        while len(self.contexts) > MAX_CONTEXTS:
-            self.contexts.popitem(last=False)
+        self.contexts.put(sid, ids)
 
     def forget(self, sid: str) -> None:
-        self.contexts.pop(sid, None)
+        self.contexts.pop(sid)
 
     # --------------------------------------------------------------- hints
     def inflight(self) -> list[Hint]:

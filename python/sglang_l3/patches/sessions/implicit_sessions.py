@@ -45,8 +45,8 @@ class _State:
 
         self.page_size = page_size
         self.tracker = ImplicitSessions()
-        # rid -> (session, input ids, extra key, cache salt)
-        self.pending: OrderedDict[str, tuple[str, list[int], Any, Any]] = OrderedDict()
+        # rid -> (session, input tokens, extra key, cache salt)
+        self.pending: OrderedDict[str, tuple[str, Any, Any, Any]] = OrderedDict()
         # rid -> session, for `top`: counted speaking from the decision until the
         # request's generator ends (always popped there, so unbounded is safe)
         self.speaking: dict[str, str] = {}
@@ -103,6 +103,7 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
 
     from sglang_l3.sessions import pin_book
     from sglang_l3.sessions.activity import ACTIVITY
+    from sglang_l3.sessions.contexts import tokens_array
     from sglang_l3.sessions.hints import HINT_RID_PREFIX, prediction
 
     mm = kwargs.get("mm_inputs", args[1] if len(args) > 1 else None)
@@ -135,7 +136,7 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
         logger.exception("sglang-l3 implicit sessions: cannot decide the session of %s", rid)
         return
     result.session_id = sid
-    st.pending[rid] = (sid, ids, extra, salt)
+    st.pending[rid] = (sid, tokens_array(ids), extra, salt)  # 4 bytes a token while it runs
     if rid not in st.speaking:
         ACTIVITY.started(sid)
         st.speaking[rid] = sid
@@ -153,7 +154,8 @@ def _finished(tm: Any, st: _State, rid: str, out_ids: list[int]) -> None:
     entry = st.pending.pop(rid, None)
     if entry is None:
         return
-    sid, ids, extra, salt = entry
+    sid, tokens, extra, salt = entry
+    ids = tokens.tolist()
     context = ids + out_ids
     st.tracker.finished(sid, turn_end_points(ids, context, extra, salt))
     turn_pairs.on_finished(tm, rid, sid)  # its answer may end in a tool call

@@ -32,7 +32,6 @@ SCHED = "sglang.srt.managers.scheduler:Scheduler"
 def device_tokens(cache: Any) -> dict[str, int] | None:
     """{session: full-KV tokens of its last context on the device} for the
     sessions session-guard remembers; None without an sglang-l3 store."""
-    from sglang.srt.mem_cache.radix_cache import RadixKey
 
     if registry_of(cache) is None:
         return None
@@ -41,7 +40,7 @@ def device_tokens(cache: Any) -> dict[str, int] | None:
         return {}
     out: dict[str, int] = {}
     for sid, ctx in list(contexts_of(cache).items()):
-        key = RadixKey(ctx.tokens, ctx.extra_key, cache_salt=ctx.cache_salt)
+        key = ctx.radix_key()
         out[sid] = int(core.match_full_device_prefix(key)[0])
     return out
 

@@ -59,13 +59,15 @@ from typing import Any
 from sglang_l3 import metrics
 from sglang_l3.patches.framework import PatchContext
 from sglang_l3.patches.sessions.sessions import registry_of, session_id_of
+from sglang_l3.sessions.contexts import DEFAULT_MAX_BYTES, tokens_array
 from sglang_l3.sessions.hints import DEFERRED_DEVICE_FULL, HINT_RID_PREFIX, hint_session
 
 logger = logging.getLogger("sglang_l3.session_guard")
 
 CACHE = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
 SCHED = "sglang.srt.managers.scheduler:Scheduler"
-MAX_SESSIONS = 256  # device contexts remembered (most recently finished first; 4 bytes a token)
+MAX_SESSIONS = 256  # device contexts remembered (most recently finished first)
+MAX_CONTEXT_BYTES = DEFAULT_MAX_BYTES  # and their tokens' bytes (4 a token: sessions.contexts)
 MAMBA_SLOTS_PER_HINT = 2  # the request's private slot + the node's cached snapshot
 
 # why a session's device context is protected (also the counter labels)
@@ -74,9 +76,15 @@ BUSY, HINTED, PRIORITY, WRITING = "busy", "hinted", "priority", "writing"
 
 @dataclass(frozen=True)
 class _Context:
-    tokens: array
+    tokens: array  # 4 bytes a token (sessions.contexts.tokens_array)
     extra_key: Any
     cache_salt: Any
+
+    def radix_key(self) -> Any:
+        """The context as upstream's tree key (its token ids as array('q'))."""
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        return RadixKey(array("q", self.tokens), self.extra_key, cache_salt=self.cache_salt)
 
 
 _CONTEXTS: weakref.WeakKeyDictionary[Any, OrderedDict[str, _Context]] = weakref.WeakKeyDictionary()
@@ -117,14 +125,14 @@ def _on_release(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) ->
     book = contexts_of(cache)
     for gone in [s for s in book if not reg.is_open(s)]:
         del book[gone]  # closed or dropped: nothing to guard
-    book[str(sid)] = _Context(
-        array("q", list(req.origin_input_ids) + list(req.output_ids)),
-        req.extra_key,
-        req.cache_salt,
-    )
-    book.move_to_end(str(sid))
-    while len(book) > MAX_SESSIONS:
-        book.popitem(last=False)
+    book.pop(str(sid), None)
+    tokens = tokens_array(list(req.origin_input_ids) + list(req.output_ids))
+    if tokens.itemsize * len(tokens) <= MAX_CONTEXT_BYTES:
+        book[str(sid)] = _Context(tokens, req.extra_key, req.cache_salt)
+    held = sum(c.tokens.itemsize * len(c.tokens) for c in book.values())
+    while len(book) > MAX_SESSIONS or held > MAX_CONTEXT_BYTES:
+        _, old = book.popitem(last=False)
+        held -= old.tokens.itemsize * len(old.tokens)
     return
 
 

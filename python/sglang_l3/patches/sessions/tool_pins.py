@@ -86,7 +86,6 @@ def _unpin(cache: Any, sid: str, reason: str) -> None:
 
 def apply_message(cache: Any, params: dict[str, Any]) -> None:
     """Apply one pin message (the same on every rank, in the same order)."""
-    from sglang.srt.mem_cache.radix_cache import RadixKey
 
     op, sid = params.get("op"), str(params.get("session"))
     if op in (RETURNED, EXPIRED):
@@ -100,7 +99,7 @@ def apply_message(cache: Any, params: dict[str, Any]) -> None:
         metrics.inc("l3_tool_pin", "unknown")
         return
     _unpin(cache, sid, EXPIRED)  # a second tool call before the return: the newer context
-    key = RadixKey(ctx.tokens, ctx.extra_key, cache_salt=ctx.cache_salt)
+    key = ctx.radix_key()
     book = pins_of(cache)
     book[sid] = PinnedContext(int(params.get("order") or 0), key, device_tokens(cache, key))
     while len(book) > MAX_PINS:  # the HTTP side drops the same (oldest) pin
