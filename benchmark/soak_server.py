@@ -3,7 +3,7 @@ prefixes, random /flush_cache, aborts, injected single-rank storage faults and
 shared-prefix bursts, every answer compared with a TP=2 server that has no cache. Not a timed test:
 it prints counts, and its last line is exactly
 
-    requests=N mismatches=M hangs=H restored_tokens=T rank_disagreements=D restored_vs_restorable=R/C
+    requests=N mismatches=M hangs=H restored_tokens=T rank_disagreements=D restored_vs_restorable=R/C crashes=X leaks=L
 
     nice -n 10 .venv/bin/python benchmark/soak_server.py --tp 2
         [--requests 300 --agents 8 --seed 1 --new-tokens 4 --work DIR]
@@ -17,8 +17,12 @@ HiCache + L3 server (SGLANG_L3_VERIFY=1: every restore decision is compared
 across the ranks, and a difference stops the server: counted in
 rank_disagreements). Between requests phase 2 flushes the device cache, damages
 one page file of one rank (delete / truncate / flip / foreign), or sends an
-extra copy of the next request and aborts it. A request that does not answer
-within --request-timeout is a hang (the soak stops there).
+extra copy of the next request and aborts it, or (--p-abort-restore, issue 48)
+flushes the device and aborts such a copy at a random point after its restore from
+L3 began (0-0.5 s after the server logs its streamed restore's start). A request that
+does not answer within --request-timeout is a hang (the soak stops there); crashes=1
+when the L3 server is not alive at the end, leaks= counts upstream's strict idle leak
+check firing (`pool memory leak detected`: the scheduler exits).
 
 restored_vs_restorable=R/C: over the requests sent right after a /flush_cache (the
 device holds nothing then), R = tokens restored from L3 and C = tokens restorable by
@@ -60,6 +64,7 @@ VERIFY_FAIL = "TP ranks made different L3 restore decisions"
 CHECKPOINT = 64  # tokens: the Mamba state grid of the served model at page 64
 TRACK_INTERVAL = 256  # upstream's --mamba-track-interval default: where decode keeps a state
 STREAM_START = re.compile(r"streamed restore req=\S+ start=")
+LEAK = "memory leak detected"  # upstream's strict idle check (on by default): the scheduler exits
 
 
 def kept_checkpoint(prompt_len: int, computed: int) -> int:
@@ -124,6 +129,12 @@ def main() -> int:
     ap.add_argument("--p-flush", type=float, default=0.06)
     ap.add_argument("--p-fault", type=float, default=0.08)
     ap.add_argument("--p-abort", type=float, default=0.05)
+    ap.add_argument(
+        "--p-abort-restore",
+        type=float,
+        default=0.05,
+        help="flush, then abort a copy of the next request at a random point of its restore from L3 (issue 48)",
+    )
     ap.add_argument("--request-timeout", type=float, default=180.0)
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--work", default=None, help="logs and store (default: a temporary directory)")
@@ -221,7 +232,7 @@ def main() -> int:
     # ---------------------------------------------------------------- phase 2
     requests = mismatches = hangs = restored = disagreements = 0
     flush_restored = flush_restorable = 0
-    flushes = faults = aborts = bursts = shared = 0
+    flushes = faults = aborts = restore_aborts = bursts = shared = 0
     short = short_damaged = 0  # restores after a flush shorter than restorable; of them, past a damaged page
     damaged: set[str] = set()  # page keys this soak damaged (any pool, any rank)
     max_dlogp = 0.0
@@ -276,6 +287,19 @@ def main() -> int:
                     f"soak-abort-{i}",
                     args.request_timeout,
                 )
+            elif r < args.p_flush + args.p_fault + args.p_abort + args.p_abort_restore:
+                # the device empty, so the copy restores from L3 (streamed when its hit is larger
+                # than the host buffer): aborted at a random point after its restore began
+                server.flush_cache(timeout=args.request_timeout)
+                restore_aborts += abort_copy(
+                    server,
+                    ids,
+                    args.new_tokens,
+                    rng,
+                    f"soak-abort-restore-{i}",
+                    args.request_timeout,
+                    after_log=STREAM_START,
+                )
             try:
                 g = server.generate(ids, args.new_tokens, timeout=args.request_timeout)
             except (
@@ -315,11 +339,13 @@ def main() -> int:
         text = server.log_text()
         disagreements = max(disagreements, text.count(VERIFY_FAIL))
         abandoned = text.count("l3_wait_abandoned")
+        leaks = text.count(LEAK)
+        crashes = int(not server.alive())
     finally:
         server.stop()
     print(
         f"soak_server: tp={args.tp} agents={args.agents} seed={args.seed} flushes={flushes} "
-        f"faults={faults} aborts={aborts} bursts={bursts} burst_shared={shared} "
+        f"faults={faults} aborts={aborts} restore_aborts={restore_aborts} bursts={bursts} burst_shared={shared} "
         f"wait_abandoned={abandoned} max_logprob_diff={max_dlogp:.3g} "
         f"short_restores={short} short_after_damage={short_damaged} "
         f"reference {t1 - t0:.0f}s, soak {time.monotonic() - t1:.0f}s, logs in {work}"
@@ -327,7 +353,7 @@ def main() -> int:
     print(
         f"requests={requests} mismatches={mismatches} hangs={hangs} "
         f"restored_tokens={restored} rank_disagreements={disagreements} "
-        f"restored_vs_restorable={flush_restored}/{flush_restorable}",
+        f"restored_vs_restorable={flush_restored}/{flush_restorable} crashes={crashes} leaks={leaks}",
         flush=True,
     )
     wanted = args.requests if args.entries is None else sum(len(e[3]) if e[0] == "burst" else 1 for e in plan)
@@ -453,9 +479,12 @@ def abort_copy(
     rng: random.Random,
     rid: str,
     timeout: float,
+    after_log: re.Pattern | None = None,
 ) -> int:
-    """Send a copy of the next request and abort it after a random short delay."""
+    """Send a copy of the next request and abort it after a random short delay (counted
+    from the first new server log line matching `after_log`, when given: at most 5 s)."""
     box: dict = {}
+    mark = len(server.log_text())
 
     def run() -> None:
         try:
@@ -465,7 +494,13 @@ def abort_copy(
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    time.sleep(rng.uniform(0.0, 1.5))
+    if after_log is not None:
+        deadline = time.monotonic() + 5.0
+        while not after_log.search(server.log_text()[mark:]) and time.monotonic() < deadline and t.is_alive():
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.5))
+    else:
+        time.sleep(rng.uniform(0.0, 1.5))
     with contextlib.suppress(OSError, urllib.error.URLError):
         server.abort(rid)
     t.join(timeout)
