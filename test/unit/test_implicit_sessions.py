@@ -405,3 +405,36 @@ def test_the_table_keeps_tool_calls_and_refuses_a_bad_count():
     assert got == rec and not got.one_off()
     with pytest.raises(table.TableError):
         table.decode(table.encode("m", [table.SessionRecord("b", keys(1), 4, tool_calls=-1)]), "m")
+
+
+def test_a_client_cannot_name_another_agents_implicit_session(tmp_path):
+    """Issue 49: the implicit-… ids are listed by GET /sglang_l3/sessions; a request naming
+    one recorded its turn as that agent's (demoting the agent's L3 tail at queue time, even
+    when cancelled). The id is ignored: the request is decided as if it named none."""
+    tm = _TM(tmp_path)
+    a_in = SYSTEM + _toks(2, 37)
+    obj, tok = _tokenized(tm, a_in, "r1")
+    victim = tok.session_id
+    _answer(tm, obj, _toks(3, 20))
+    before = l3_metrics.get("implicit_sessions", "claimed_id_ignored")
+    _, spoof = _tokenized(tm, _toks(50, 90), "r2", session_id=victim)
+    assert spoof.session_id != victim and table.is_implicit_id(spoof.session_id)
+    assert l3_metrics.get("implicit_sessions", "claimed_id_ignored") == before + 1
+    # the agent's own next call still continues it
+    _, again = _tokenized(tm, a_in + _toks(3, 20) + _toks(4, 30), "r3")
+    assert again.session_id == victim
+    # an explicit id of the client's own stays the client's
+    _, own = _tokenized(tm, a_in, "r4", session_id="agent-x")
+    assert own.session_id == "agent-x"
+
+
+def test_implicit_sessions_start_when_the_store_is_attached_at_run_time(tmp_path):
+    """Issue 49: with no store at the first request, "off" was kept for the server's
+    life; a store attached later (PUT /hicache/storage-backend) now turns them on."""
+    tm = _TM(tmp_path)
+    tm.server_args.hicache_storage_backend = None
+    _, tok = _tokenized(tm, SYSTEM + _toks(2, 37), "r1")
+    assert tok.session_id is None
+    tm.server_args.hicache_storage_backend = "file"  # attached
+    _, tok = _tokenized(tm, SYSTEM + _toks(2, 37), "r2")
+    assert table.is_implicit_id(tok.session_id)

@@ -30,6 +30,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from sglang_l3 import metrics
 from sglang_l3.patches.framework import PatchContext
 
 logger = logging.getLogger("sglang_l3.implicit_sessions")
@@ -37,6 +38,7 @@ logger = logging.getLogger("sglang_l3.implicit_sessions")
 TM = "sglang.srt.managers.tokenizer_manager:TokenizerManager"
 MAX_PENDING = 4096  # requests decided but not yet finished (a bound, not a limit on traffic)
 TRACKER_ATTR = "_sglang_l3_implicit_sessions"
+CLAIM_WARNED_ATTR = "_sglang_l3_implicit_claim_warned"
 
 
 class _State:
@@ -61,12 +63,16 @@ def _state(tm: Any) -> _State | None:
     from sglang_l3.patches.sessions.session_hints import store_root
 
     args = getattr(tm, "server_args", None)
+    if getattr(args, "enable_session_radix_cache", False):
+        setattr(tm, TRACKER_ATTR, False)  # for the server's life
+        return None
     root = store_root(tm)
     # the value in effect: without --page-size the launch arguments say None here and the
     # model's resolved default (1 for Qwen3.5) is only in upstream's config bag
     page = int(value(tm, "page_size") or 0)
-    if root is None or page <= 0 or getattr(args, "enable_session_radix_cache", False):
-        setattr(tm, TRACKER_ATTR, False)
+    if root is None or page <= 0:
+        # asked again at the next request: PUT /hicache/storage-backend may attach the
+        # store at run time (issue 49: "off" was kept from the first request on)
         return None
     st = _State(page)
     st.tracker.load(_persisted(root))
@@ -105,14 +111,32 @@ def _after_tokenize(result: Any, tm: Any, obj: Any, input_text: Any, input_ids: 
     from sglang_l3.sessions.activity import ACTIVITY
     from sglang_l3.sessions.contexts import tokens_array
     from sglang_l3.sessions.hints import HINT_RID_PREFIX, prediction
+    from sglang_l3.storage.sessions import is_implicit_id
 
     mm = kwargs.get("mm_inputs", args[1] if len(args) > 1 else None)
     embeds = kwargs.get("input_embeds", args[0] if args else None)
     rid = getattr(result, "rid", None)
+    claimed = getattr(obj, "session_id", None)
+    if (
+        is_implicit_id(claimed)
+        and isinstance(result, TokenizedGenerateReqInput)
+        and result.session_id == claimed
+        and isinstance(rid, str)
+        and not rid.startswith(HINT_RID_PREFIX)
+    ):
+        # The implicit-… ids are the server's (listed by GET /sglang_l3/sessions): a client
+        # naming one would record its turn as that agent's, demoting the agent's L3 pages
+        # at queue time even if cancelled (issue 49). Treated as no id at all.
+        result.session_id = None
+        claimed = None
+        metrics.inc("implicit_sessions", "claimed_id_ignored")
+        if not getattr(tm, CLAIM_WARNED_ATTR, False):
+            setattr(tm, CLAIM_WARNED_ATTR, True)  # once: a client may send it on every call
+            logger.warning("sglang-l3 implicit sessions: request %s named a server-made session id; ignored", rid)
     if (
         not isinstance(obj, GenerateReqInput)
         or not isinstance(result, TokenizedGenerateReqInput)
-        or obj.session_id is not None
+        or claimed is not None
         or obj.session_params is not None
         or result.session_id is not None
         or result.session_params is not None
