@@ -233,6 +233,17 @@ def test_cli_refusals_name_the_setting(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--context" in r.stderr
 
 
+def test_fp8_kv_is_refused_with_the_reason() -> None:
+    """Issue 50: with --kv-dtype fp8 the plan sized the pools for 1-byte KV while its printed
+    launch command had no --kv-cache-dtype (the server then gets 2-byte KV in pools sized
+    for 1), and fp8 KV has never been through L3 here: refused, saying why."""
+    r = _cli("--model", "Qwen3.5-27B", "--quant", "gptq-4bit", "--tp", "2", "--kv-dtype", "fp8")
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    assert "--kv-dtype fp8" in r.stderr and "gfx1100" in r.stderr and "L3" in r.stderr
+    j = _cli("--model", "Qwen3.5-27B", "--kv-dtype", "fp8", "--json")
+    assert j.returncode == 2 and "fp8" in json.loads(j.stdout)["error"]
+
+
 def test_printed_launch_command_parses() -> None:
     """Every flag the plan prints is accepted by upstream's parser (with the plugin
     applied: `--hicache-mem-layout buffer_only` is patch cli-buffer-only's)."""

@@ -16,6 +16,17 @@ from sglang_l3.storage.config import ConfigError as SizeError
 from sglang_l3.storage.config import parse_size
 
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
+# Refused with the reason (issue 50): the plan would size pools for 1-byte KV while the
+# printed launch command serves the model's dtype (2 bytes), and fp8 KV has never been
+# through L3 here.
+REFUSED_KV_DTYPES = {
+    "fp8": (
+        "--kv-dtype fp8 is not planned: fp8 KV has never been restored from L3 by sglang-l3 "
+        "(no bit-exact check against an fp8 server without a cache), and on gfx1100 (RX 7900 "
+        "XTX) fp8 KV decode attention is slower than bf16 (no native FP8; vLLM #56992); plan "
+        "with --kv-dtype bf16"
+    ),
+}
 
 
 def parse_tokens(value: str, name: str) -> int:
@@ -61,6 +72,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def inputs_from_args(args: argparse.Namespace) -> Inputs:
+    if args.kv_dtype in REFUSED_KV_DTYPES:
+        raise PlanError(REFUSED_KV_DTYPES[args.kv_dtype])
     try:
         name, config, source = models.load(args.model)
         sizes = {
