@@ -29,14 +29,16 @@ _VARS = (
         "SGLANG_L3_PREDICTED_RETURN",
         "off",
         "percentile of a session's own gaps (answer -> next request) after which its idle context is "
-        "staged like a hint (predicted return, e.g. 25); off: never",
+        "staged like a hint (predicted return): on or 1 = 25, a number in (1, 100] (e.g. 40) or pN (e.g. p1, "
+        "the 1st); off: never",
         "serving",
     ),
     EnvVar(
         "SGLANG_L3_TOOL_PIN",
         "off",
         "percentile of a session's own gaps (answer -> next request) for which a turn that ends in a "
-        "tool call keeps its context on the device (patch tool-pins, e.g. 90); off: never",
+        "tool call keeps its context on the device (patch tool-pins): on or 1 = 90, a number in (1, 100] "
+        "(e.g. 80) or pN (e.g. p1, the 1st); off: never",
         "serving",
     ),
     EnvVar("SGLANG_L3_TOOL_PIN_MAX_S", "300", "the longest a tool-call pin lasts, seconds", "serving"),

@@ -10,7 +10,13 @@ import asyncio
 
 import pytest
 from sglang_l3.sessions import return_prediction as rp
-from sglang_l3.sessions.return_prediction import MIN_GAPS, ReturnPredictor, configured_percentile, percentile
+from sglang_l3.sessions.return_prediction import (
+    MIN_GAPS,
+    ReturnPredictor,
+    configured_percentile,
+    percentile,
+    percentile_setting,
+)
 
 
 class _Clock:
@@ -136,3 +142,42 @@ def test_off_means_no_predictor(monkeypatch):
     pred = Prediction()
     assert pred.predictor is None and pred.stage_due(object()) == []
     assert rp.MAX_GAPS >= MIN_GAPS
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [
+        ("off", None),
+        ("0", None),
+        ("", None),
+        ("1", 77.0),  # on: the setting's documented default, never the 1st percentile
+        ("on", 77.0),
+        ("ON", 77.0),
+        ("true", 77.0),
+        ("90", 90.0),
+        ("p90", 90.0),
+        ("p1", 1.0),  # the 1st percentile, said so
+        ("p0.5", 0.5),
+        ("100", 100.0),
+    ],
+)
+def test_percentile_setting_on_means_the_default(monkeypatch, raw, want):
+    monkeypatch.setenv("SGLANG_L3_TOOL_PIN", raw)
+    assert percentile_setting("SGLANG_L3_TOOL_PIN", 77.0) == want
+
+
+@pytest.mark.parametrize("raw", ["0.5", "p0", "p", "p101", "101", "-5", "maybe"])
+def test_percentile_setting_ambiguous_or_bad_is_an_error(monkeypatch, raw):
+    monkeypatch.setenv("SGLANG_L3_TOOL_PIN", raw)
+    with pytest.raises(ValueError, match="SGLANG_L3_TOOL_PIN"):
+        percentile_setting("SGLANG_L3_TOOL_PIN", 77.0)
+
+
+def test_on_is_each_settings_documented_default(monkeypatch):
+    from sglang_l3.sessions import pin_book
+
+    monkeypatch.setenv("SGLANG_L3_TOOL_PIN", "1")
+    monkeypatch.delenv("SGLANG_L3_TOOL_PIN_MAX_S", raising=False)
+    monkeypatch.setenv("SGLANG_L3_PREDICTED_RETURN", "on")
+    assert pin_book.configured() == (90.0, 300.0)
+    assert configured_percentile() == 25.0

@@ -40,12 +40,13 @@ PIN, RETURNED, EXPIRED = "pin", "returned", "expired"  # message ops (also count
 MAX_PINS = 32  # pins held at once (the one expiring last gives way first: see patches/sessions/tool_pins.py)
 ENV = "SGLANG_L3_TOOL_PIN"
 ENV_MAX = "SGLANG_L3_TOOL_PIN_MAX_S"
+DEFAULT_PERCENTILE = 90.0  # SGLANG_L3_TOOL_PIN=on (or 1)
 
 
 def configured() -> tuple[float, float] | None:
     """(percentile, max TTL s) from SGLANG_L3_TOOL_PIN / _MAX_S, or None when off.
     A bad value raises ValueError with the reason (start-up fails)."""
-    pct = percentile_setting(ENV)
+    pct = percentile_setting(ENV, DEFAULT_PERCENTILE)
     if pct is None:
         return None
     raw_max = envs.value(ENV_MAX).strip()

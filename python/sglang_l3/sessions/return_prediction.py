@@ -41,24 +41,36 @@ def percentile(values: list[float], p: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def percentile_setting(name: str) -> float | None:
-    """A percentile setting (e.g. SGLANG_L3_PREDICTED_RETURN): the value in (0, 100],
-    or None when off. A bad value raises ValueError with the reason (start-up fails)."""
+ON_WORDS = ("1", "on", "true", "yes")  # the setting's documented default percentile
+OFF_WORDS = ("", "off", "0", "false", "no")
+DEFAULT_PREDICTED_RETURN = 25.0
+
+
+def percentile_setting(name: str, default: float) -> float | None:
+    """A percentile setting (e.g. SGLANG_L3_PREDICTED_RETURN): None when off
+    (`off`, `0`, empty); `default` for `on` / `1` (so `1` is never the 1st
+    percentile); a percentile as `pN` (any N in (0, 100], e.g. `p1`) or a plain
+    number in (1, 100] (e.g. `90`). A bad value raises ValueError with the
+    reason (start-up fails)."""
     raw = envs.value(name).strip().lower()
-    if raw in ("", "off", "0", "false", "no"):
+    if raw in OFF_WORDS:
         return None
+    if raw in ON_WORDS:
+        return default
+    why = f"{name}={raw!r}: 'on', 'off', a percentile in (1, 100] (e.g. 90) or pN with N in (0, 100] (e.g. p1)"
+    text, low = (raw[1:], 0.0) if raw.startswith("p") else (raw, 1.0)
     try:
-        p = float(raw)
+        p = float(text)
     except ValueError as e:
-        raise ValueError(f"{name}={raw!r}: a percentile in (0, 100] or 'off'") from e
-    if not 0 < p <= 100:
-        raise ValueError(f"{name}={raw!r}: a percentile in (0, 100] or 'off'")
+        raise ValueError(why) from e
+    if not low < p <= 100:
+        raise ValueError(why)
     return p
 
 
 def configured_percentile() -> float | None:
     """SGLANG_L3_PREDICTED_RETURN: the percentile, or None when off."""
-    return percentile_setting("SGLANG_L3_PREDICTED_RETURN")
+    return percentile_setting("SGLANG_L3_PREDICTED_RETURN", DEFAULT_PREDICTED_RETURN)
 
 
 @dataclass
