@@ -102,6 +102,7 @@ class IOResult:
     file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of what was read
     direct: bool = False
     bounce: bool = False
+    errno: int | None = None  # of the OSError behind a failure (None: not an OSError)
 
 
 def buffer_address(mv: memoryview) -> int | None:
@@ -504,11 +505,12 @@ class IOEngine:
     def _error_result(e: BaseException) -> IOResult:
         if isinstance(e, UnsafeFileError):  # a link / directory / FIFO / foreign file at the name: damage
             return IOResult(False, e.kind, str(e), corrupt=True)
-        if isinstance(e, OSError) and e.errno in _ENOSPC:
-            return IOResult(False, "enospc", str(e))
+        code = e.errno if isinstance(e, OSError) else None
+        if code in _ENOSPC:
+            return IOResult(False, "enospc", str(e), errno=code)
         if isinstance(e, FileNotFoundError):
-            return IOResult(False, "missing", str(e))
-        return IOResult(False, "io_error", f"{type(e).__name__}: {e}")
+            return IOResult(False, "missing", str(e), errno=code)
+        return IOResult(False, "io_error", f"{type(e).__name__}: {e}", errno=code)
 
     # ------------------------------------------------------------------- read
     def read(self, jobs: Sequence[ReadJob]) -> list[IOResult]:

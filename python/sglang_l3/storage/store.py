@@ -3,10 +3,24 @@
 The HiCacheStorage adapter (backend.py) turns host-pool pages into memoryview
 runs and calls `exists` / `read` / `write` here. Every failure is a result,
 never an exception: a bad page is a miss, counted and moved to quarantine/.
+
+A page write that fails with an IO error (EFBIG, EIO, EROFS, a vanished tmp/ ...)
+is counted (`write_errors`), logged once per cause until a write succeeds again,
+and retried: its bytes are copied aside (the host staging it came from is freed
+when the write returns) and written again by a background thread after
+RETRY_FIRST_S, then with the delay doubling up to RETRY_MAX_S, for RETRY_FOR_S
+(`write_retries`, `write_retried_ok`). What does not fit RETRY_MAX_BYTES, is still
+failing after RETRY_FOR_S or is pending when the store closes is dropped
+(`write_retry_dropped`). A full disk (`write_enospc`) and the byte cap
+(`write_dropped_budget`) drop the page as before. Upstream's buffer-only pipeline
+believes every acknowledged write stored, failed or not (its TP-identical
+existence beliefs), and never writes those pages again while it does, so the
+retry is what brings the pages of a finished request to L3 once the fault ends.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
@@ -38,6 +52,22 @@ from sglang_l3.storage.safety import StoreDirs, valid_key, valid_mid, valid_pool
 logger = logging.getLogger(__name__)
 
 _STRAY_MIN_AGE_S = 60
+
+# Failed page writes kept for a retry (module docstring; docs/operations.md).
+RETRY_MAX_BYTES = 256 << 20  # bytes of failed pages held for a retry, per store (rank)
+RETRY_FIRST_S = 1.0  # the first retry, after the failure
+RETRY_MAX_S = 30.0  # the longest wait between two tries of a page
+RETRY_FOR_S = 600.0  # a page still failing this long after its first failure is dropped
+_RETRYABLE = frozenset({"io_error", "missing"})
+
+
+@dataclass
+class _Retry:
+    item: WriteItem
+    nbytes: int
+    first: float  # time.monotonic() of the first failure
+    due: float
+    delay: float
 
 
 @dataclass(frozen=True)
@@ -89,6 +119,17 @@ class PageStore:
         self.quarantine_dir = str(self.root / "quarantine")
         self.counters = metrics.Counters()
         self._qlock = threading.Lock()
+        # one writer at a time: the caller's batch or the retry thread's
+        self._write_lock = threading.Lock()
+        self._retry_lock = threading.Lock()
+        self._retry: dict[str, _Retry] = {}  # page stem -> a failed page waiting for its next try
+        self._retry_bytes = 0
+        self._retry_wake = threading.Event()
+        self._retry_thread: threading.Thread | None = None
+        self._closing = False
+        self._failing: dict[str, int] = {}  # cause -> failures since a write last succeeded (logged once)
+        self.retry_first_s, self.retry_max_s, self.retry_for_s = RETRY_FIRST_S, RETRY_MAX_S, RETRY_FOR_S
+        self.retry_max_bytes = RETRY_MAX_BYTES
         self._static_meta: dict[tuple[str, str], dict] = {}
         try:
             writers.hold_writer_lock(self.dirs)
@@ -306,7 +347,18 @@ class PageStore:
 
     # ---------------------------------------------------------------- write
     def write(self, items: Sequence[WriteItem]) -> list[bool]:
-        out = [False] * len(items)
+        """Write pages; True per page now in the store. A page that failed with an
+        IO error is retried in the background (module docstring)."""
+        with self._write_lock:
+            status = self._write(items)
+        for it, st in zip(items, status, strict=True):
+            if st in _RETRYABLE:
+                self._queue_retry(it)
+        return [st == "ok" for st in status]
+
+    def _write(self, items: Sequence[WriteItem]) -> list[str]:
+        """One engine call; per item "ok" or why not (an IOResult status, "invalid")."""
+        out = ["invalid"] * len(items)
         jobs, where = [], []
         first_of: dict[str, int] = {}
         dup: list[tuple[int, int]] = []
@@ -322,7 +374,7 @@ class PageStore:
             path = os.path.join(self.pages_dir, name.filename)
             if self.exists([(it.key, it.spec)])[0]:
                 # Same key = same tokens = same bytes; refresh recency only.
-                out[i] = True
+                out[i] = "ok"
                 self.counters.inc("write_skipped_existing")
                 if self.evictor is not None and self._owned(it.spec):
                     self.evictor.touch(name.stem, path)
@@ -345,8 +397,8 @@ class PageStore:
         self.counters.inc("write_seconds", time.perf_counter() - t0)
         for (i, name, owner), job, r in zip(where, jobs, results, strict=True):
             self.counters.inc("write_pages")
+            out[i] = "ok" if r.ok else r.status
             if r.ok:
-                out[i] = True
                 self.counters.inc("write_ok")
                 self.counters.inc("write_bytes", job.payload_len)
                 if r.direct:
@@ -363,13 +415,111 @@ class PageStore:
                 owner.abort(name.stem)
             if r.status == "enospc":
                 self.counters.inc("write_enospc")
-                logger.warning("sglang-l3 store: disk full writing %s; page dropped, serving continues", name.filename)
+                self._write_failed("enospc", name.filename, r.detail, "disk full; the page is dropped")
             else:
                 self.counters.inc("write_errors")
-                logger.warning("sglang-l3 store: write of %s failed: %s", name.filename, r.detail)
+                code = errno.errorcode.get(r.errno, str(r.errno)) if r.errno is not None else r.detail.split(":", 1)[0]
+                cause = f"{r.status} {code}"
+                what = "retried" if r.status in _RETRYABLE else "not retried"
+                self._write_failed(cause, name.filename, r.detail, f"the page is {what}")
+        if any(st == "ok" for st in out):
+            self._writes_succeed()
         for i, j in dup:
-            out[i] = out[j]
+            out[i] = out[j] if out[j] == "ok" else "duplicate"
         return out
+
+    def _write_failed(self, cause: str, filename: str, detail: str, outcome: str) -> None:
+        """Log a failed page write once per cause until a write succeeds again."""
+        with self._retry_lock:
+            n = self._failing.get(cause, 0)
+            self._failing[cause] = n + 1
+        if n == 0:
+            logger.warning(
+                "sglang-l3 store: write of %s failed: %s; %s. Further page writes failing this way are "
+                "counted (store_write_errors / store_write_enospc), not logged, until a write succeeds",
+                filename,
+                detail,
+                outcome,
+            )
+
+    def _writes_succeed(self) -> None:
+        with self._retry_lock:
+            failing, self._failing = self._failing, {}
+        if failing:
+            logger.warning(
+                "sglang-l3 store: page writes succeed again (failed since the first report: %s)",
+                ", ".join(f"{n} x {cause}" for cause, n in sorted(failing.items())),
+            )
+
+    # ---------------------------------------------------------------- retry
+    def _queue_retry(self, item: WriteItem) -> None:
+        """Copy a failed page aside (the caller's buffer is freed after the call)
+        and hand it to the retry thread; over the byte budget it is dropped."""
+        stem = self.page_name(item.key, item.spec).stem
+        nbytes = item.spec.payload_len
+        with self._retry_lock:
+            if stem in self._retry or self._closing:
+                return
+            if self._retry_bytes + nbytes > self.retry_max_bytes:
+                full = True
+            else:
+                full = False
+                self._retry_bytes += nbytes
+        if full:
+            self.counters.inc("write_retry_dropped")
+            self._write_failed("retry-budget", stem, f"{self.retry_max_bytes} bytes of failed pages held", "dropped")
+            return
+        data = bytearray(nbytes)
+        off = 0
+        for r in item.runs:
+            data[off : off + r.nbytes] = r  # byte views (pagemap); any contiguous buffer works
+            off += r.nbytes
+        copy = WriteItem(item.key, item.spec, [memoryview(data)], item.prior, item.depth)
+        now = time.monotonic()
+        with self._retry_lock:
+            self._retry[stem] = _Retry(copy, nbytes, now, now + self.retry_first_s, self.retry_first_s)
+            if self._retry_thread is None:
+                self._retry_thread = threading.Thread(target=self._retry_loop, name="sglang-l3-retry", daemon=True)
+                self._retry_thread.start()
+        self._retry_wake.set()
+
+    def retry_pending(self) -> int:
+        """Failed pages waiting for their next try."""
+        with self._retry_lock:
+            return len(self._retry)
+
+    def _retry_loop(self) -> None:
+        while True:
+            self._retry_wake.clear()
+            now = time.monotonic()
+            with self._retry_lock:
+                if self._closing:
+                    return
+                due = [(stem, e) for stem, e in self._retry.items() if e.due <= now]
+                nxt = min((e.due for e in self._retry.values()), default=None)
+            if not due:
+                self._retry_wake.wait(None if nxt is None else max(0.0, nxt - now))
+                continue
+            try:
+                with self._write_lock:
+                    status = self._write([e.item for _, e in due])
+            except Exception:  # never let the thread die: try again later
+                logger.exception("sglang-l3 store: retrying failed page writes failed")
+                status = ["io_error"] * len(due)
+            now = time.monotonic()
+            with self._retry_lock:
+                for (stem, e), st in zip(due, status, strict=True):
+                    self.counters.inc("write_retries")
+                    if st == "ok":
+                        self.counters.inc("write_retried_ok")
+                    elif st in _RETRYABLE and now - e.first < self.retry_for_s:
+                        e.delay = min(e.delay * 2, self.retry_max_s)
+                        e.due = now + e.delay
+                        continue
+                    else:  # gave up, or dropped by the cap / a full disk (counted as such)
+                        self.counters.inc("write_retry_dropped")
+                    del self._retry[stem]
+                    self._retry_bytes -= e.nbytes
 
     def _page_meta(self, spec: PoolSpec, shard: str) -> dict:
         """The header fields shared by every page of a pool (built once: the
@@ -463,6 +613,17 @@ class PageStore:
 
     def close(self) -> None:
         self.sessions.close_registry()
+        with self._retry_lock:
+            self._closing = True
+            thread, left = self._retry_thread, len(self._retry)
+            self._retry.clear()
+            self._retry_bytes = 0
+        self._retry_wake.set()
+        if thread is not None:
+            thread.join(timeout=60)
+        if left:
+            self.counters.inc("write_retry_dropped", left)
+            logger.warning("sglang-l3 store: closing with %d failed page write(s) not retried; dropped", left)
         self.engine.close()
         if self._sweeper is not None:
             self._sweeper.join(timeout=60)
