@@ -145,6 +145,44 @@ def test_pins_never_make_a_burst_wait_and_give_way_in_order(tmp_path, core):
     assert admitted[True] == admitted[False], admitted
 
 
+def test_the_touch_inside_eviction_is_upstreams_touch_not_a_match(tmp_path, core):
+    """BEFORE `_evict` the pinned context is touched with upstream's `touch_prefix` (the
+    tree walk alone): `match_prefix` (session shortcut, finalizers that may evict, linker)
+    is never re-entered from inside an eviction, and the pin still holds."""
+    with L3Stack(HybridSpec(page_size=1, kv_size=KV_ROWS), str(tmp_path), tree_core=core) as st:
+        h = SchedulerHarness(st)
+        for ids, sid in ((A, "agent-a"), (B, "agent-b"), (C, "agent-c")):
+            _serve(h, ids, sid)
+        _pin(st, "agent-a", 1000)
+        cache, depth, inside, touched = st.cache, [0], [], []
+        evict, match, touch = cache._evict, cache.match_prefix, cache.touch_prefix
+
+        def evict_spy(*a, **k):
+            depth[0] += 1
+            try:
+                return evict(*a, **k)
+            finally:
+                depth[0] -= 1
+
+        def match_spy(*a, **k):
+            inside.append(depth[0])
+            return match(*a, **k)
+
+        def touch_spy(key):
+            touched.append(depth[0])
+            return touch(key)
+
+        cache._evict, cache.match_prefix, cache.touch_prefix = evict_spy, match_spy, touch_spy
+        try:
+            _serve(h, D, None)  # needs rows: an eviction, with a pin to place
+        finally:
+            del cache._evict, cache.match_prefix, cache.touch_prefix
+        assert touched and all(d > 0 for d in touched), "the pin was not touched inside the eviction"
+        assert [d for d in inside if d > 0] == [], "match_prefix re-entered from inside _evict"
+        assert _on_device(st, A) == FULL, "the pinned context was evicted"
+        tp.apply_message(st.cache, {"op": RETURNED, "session": "agent-a"})
+
+
 def test_a_pin_of_an_unknown_session_pins_nothing(tmp_path):
     with L3Stack(HybridSpec(page_size=1, kv_size=KV_ROWS), str(tmp_path)) as st:
         before = _counts()

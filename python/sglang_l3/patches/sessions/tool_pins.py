@@ -14,8 +14,9 @@ names a session; its context is the session's last finished context (patch
 evictable, counted as evictable by admission, so it never makes a request wait
 or fail. It is only evicted *last*: BEFORE `UnifiedRadixCache._evict` (every
 device eviction, for prefill, decode, restores and hints alike) each pinned
-context is matched once through upstream's own `match_prefix`, which moves its
-path to the most-recently-used end of every component's LRU (both tree cores).
+context is touched once through upstream's own `touch_prefix` (the tree walk
+of a match, without its finalizers), which moves its path to the
+most-recently-used end of every component's LRU (both tree cores).
 Under pressure the pins give way in a stated order, Belady's rule on the
 predicted returns: the pin whose TTL ends furthest ahead is matched first, so
 it is the least recent of the pinned and goes first; the pin about to be
@@ -27,7 +28,7 @@ came back within its TTL and its context was still on the device), `expired`
 `unknown` (no context remembered for the session: nothing pinned).
 
 Same decision on every rank: the pin list changes only by broadcast messages
-and the eviction walk is upstream's own; the touch is a match of the same key
+and the eviction walk is upstream's own; the touch is a walk of the same key
 on the same tree. Active only with SGLANG_L3_TOOL_PIN on, the sglang-l3 file
 store (session-guard's contexts) and one data-parallel rank.
 """
@@ -109,16 +110,16 @@ def apply_message(cache: Any, params: dict[str, Any]) -> None:
 
 def touch_pinned(cache: Any) -> None:
     """Make the pinned contexts the most recently used, the one to give way first
-    touched first (least recent of them)."""
-    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-
+    touched first (least recent of them). Upstream's `touch_prefix`: the tree walk
+    alone, not `match_prefix` (a request's match: session shortcut, finalizers
+    that may evict, linker), so nothing re-enters eviction from inside it."""
     book = _PINS.get(cache)
     if not book or cache in _TOUCHING:
         return
     _TOUCHING.add(cache)
     try:
         for _, p in sorted(book.items(), key=lambda kv: (-kv[1].order, kv[0])):
-            cache.match_prefix(MatchPrefixParams(key=p.key))
+            cache.touch_prefix(p.key)
     finally:
         _TOUCHING.discard(cache)
 
