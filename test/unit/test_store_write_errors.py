@@ -20,7 +20,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -175,23 +174,34 @@ def test_retries_are_bounded_by_bytes_and_pending_pages_go_with_the_store(
     assert st.counters.get("write_retry_dropped") == 2
 
 
-def test_a_failing_session_table_never_delays_page_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_session_table_never_delays_page_writes_and_is_written_once_it_can(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from sglang_l3.storage import sessions as table
 
     st, spec = _store(tmp_path)
+    st.sessions.table_retry_s = 0.05  # the policy's shape, quicker
     before = metrics.get("session_table_errors")
-    tried = threading.Event()
+    tries = []
 
     def efbig(*_a: object) -> None:
-        tried.set()
+        tries.append(1)
         raise OSError(errno.EFBIG, "File too large")
 
     monkeypatch.setattr(table, "replace_table_bytes", efbig)
     items = _items(spec, 4, "s")
-    st.sessions.on_turn("agent-1", [it.key for it in items], 4 * 64)
-    assert tried.wait(60), "the session table was never written"
-    _wait(lambda: metrics.get("session_table_errors") > before, "the table's failure counted")
-    assert st.write(items) == [True] * 4  # at once, in the caller: nothing waits on the table
-    assert st.counters.get("write_ok") == 4 and st.counters.get("write_errors") == 0
-    monkeypatch.undo()
+    with caplog.at_level(logging.WARNING, logger="sglang_l3.storage.retention"):
+        st.sessions.on_turn("agent-1", [it.key for it in items[:2]], 2 * 64)
+        _wait(lambda: len(tries) >= 1, "the session table was never tried")
+        st.sessions.on_turn("agent-1", [it.key for it in items], 4 * 64)  # a change: tried again
+        _wait(lambda: len(tries) >= 3, "the table is tried again while it fails")
+        assert metrics.get("session_table_errors") - before >= 3
+        assert st.write(items) == [True] * 4  # at once, in the caller: nothing waits on the table
+        assert st.counters.get("write_ok") == 4 and st.counters.get("write_errors") == 0
+        monkeypatch.undo()  # the fault ends; no session changes from here on
+        _wait(lambda: [r.id for r in table.load(st.dirs, st.mid)[0]] == ["agent-1"], "the table written again")
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("cannot write the session table" in m for m in lines) == 1, lines  # once for EFBIG
+    assert sum("the session table is written again" in m for m in lines) == 1, lines
+    assert table.load(st.dirs, st.mid)[0][0].keys == [it.key for it in items]
     st.close()

@@ -35,6 +35,7 @@ only the table writer (rank 0) persists it (`storage/sessions.py`).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -54,6 +55,7 @@ CLASS_NAMES = ("plain", "closed", "open", "demoted")
 MAX_CLOSED = 1024  # closed sessions remembered (oldest forgotten first)
 MAX_IMPLICIT = 1024  # implicit sessions remembered (one-turn ones reaped first)
 MAX_DEMOTED = 1 << 20  # demoted page keys remembered (oldest forgotten: they become plain)
+TABLE_RETRY_S = 30.0  # a table that could not be written is tried again this often
 
 
 def key_of_stem(stem: str) -> str:
@@ -84,6 +86,8 @@ class SessionRetention:
         self._version = 0
         self._saved_version = 0
         self._io_lock = threading.Lock()
+        self._table_failing: str | None = None  # why the last table write failed (None: it did not)
+        self.table_retry_s = TABLE_RETRY_S
         self._wake = threading.Event()
         self._closed = False
         self.load_reason: str | None = None
@@ -356,15 +360,27 @@ class SessionRetention:
             try:
                 table.save(self.dirs, self.mid, snap)
             except OSError as e:
-                logger.warning("sglang-l3 sessions: cannot write the session table: %s", e)
                 l3_metrics.inc("session_table_errors")
+                cause = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else type(e).__name__
+                if cause != self._table_failing:  # once per cause, until the table is written again
+                    logger.warning(
+                        "sglang-l3 sessions: cannot write the session table: %s; retried every %.0f s and at "
+                        "each change, counted (session_table_errors), not logged again for this cause",
+                        e,
+                        self.table_retry_s,
+                    )
+                    self._table_failing = cause
                 return False
+            if self._table_failing is not None:
+                logger.warning("sglang-l3 sessions: the session table is written again")
+                self._table_failing = None
             self._saved_version = version
             return True
 
     def _writer_loop(self) -> None:
         while not self._closed:
-            self._wake.wait()
+            # while the table cannot be written, try again now and then without a change
+            self._wake.wait(self.table_retry_s if self._table_failing is not None else None)
             self._wake.clear()
             if self._closed:
                 break
