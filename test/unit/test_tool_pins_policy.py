@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from sglang_l3.sessions import pin_book
-from sglang_l3.sessions.pin_book import MAX_PINS, PinBook
+from sglang_l3.sessions.pin_book import MAX_PINS, PIN, PinBook
 from sglang_l3.sessions.return_prediction import MIN_GAPS
 
 
@@ -91,3 +91,77 @@ def test_settings(monkeypatch):
     monkeypatch.setenv("SGLANG_L3_TOOL_PIN_MAX_S", "0")
     with pytest.raises(ValueError, match="SGLANG_L3_TOOL_PIN_MAX_S"):
         pin_book.configured()
+
+
+class _TM:
+    """The tokenizer manager as pin_book sees it: what it would dispatch to the scheduler."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str]] = []
+
+    def _dispatch_to_scheduler(self, obj) -> None:
+        self.sent.append((obj.parameters["op"], obj.parameters["session"]))
+
+
+@pytest.fixture
+def http_book(monkeypatch):
+    """A fresh process-wide pin book, tool pins on, patch tool-pins applied (placed)."""
+    monkeypatch.setenv("SGLANG_L3_TOOL_PIN", "90")
+    monkeypatch.setattr(pin_book, "_BOOK", None)
+    monkeypatch.setattr(pin_book, "_PLACED", True, raising=False)
+    b = pin_book.book()
+    assert b is not None
+    for _ in range(MIN_GAPS):  # pooled gaps: every session gets a TTL
+        b.gaps.pooled.append(5.0)
+    return b
+
+
+def test_a_pin_dropped_over_max_pins_is_unpinned_on_the_scheduler_too(http_book):
+    import asyncio
+
+    async def run() -> list[tuple[str, str]]:
+        tm = _TM()
+        for i in range(MAX_PINS + 2):
+            pin_book.on_tool_turn(tm, f"r{i}", f"s{i}")
+        pin_book.on_tool_turn(tm, "r5b", "s5")  # a re-pin: the scheduler replaces s5's own pin
+        for p in http_book.pins.values():
+            p.handle.cancel()
+        return tm.sent
+
+    sent = asyncio.run(run())
+    pins = [s for op, s in sent if op == PIN]
+    assert pins == [f"s{i}" for i in range(MAX_PINS + 2)] + ["s5"]
+    # each drop is sent before the pin that caused it, so the scheduler's book is the same
+    drops = [(i, s) for i, (op, s) in enumerate(sent) if op == pin_book.EXPIRED]
+    assert [s for _, s in drops] == ["s0", "s1"]
+    assert sent.index((PIN, f"s{MAX_PINS}")) == drops[0][0] + 1
+    assert list(http_book.pins) == [f"s{i}" for i in range(2, MAX_PINS + 2) if i != 5] + ["s5"]
+
+
+def test_no_pin_message_is_sent_while_patch_tool_pins_is_not_applied(http_book, monkeypatch):
+    import asyncio
+
+    monkeypatch.setattr(pin_book, "_PLACED", False, raising=False)  # e.g. SGLANG_L3_DISABLE=tool-pins
+
+    async def run() -> list[tuple[str, str]]:
+        tm = _TM()
+        pin_book.on_answer("s")
+        pin_book.on_tool_turn(tm, "r1", "s")
+        pin_book.on_arrival(tm, "s")
+        return tm.sent
+
+    assert asyncio.run(run()) == []
+    assert pin_book.book() is None
+
+
+def test_patch_tool_pins_places_and_unplaces(monkeypatch):
+    from sglang_l3.patches import framework
+
+    monkeypatch.setenv("SGLANG_L3_TOOL_PIN", "90")
+    series = framework.load_series()
+    assert framework.apply_one(next(s for s in series if s.id == "tool-pins"), series).state == framework.State.APPLIED
+    try:
+        assert pin_book._PLACED
+    finally:
+        framework.undo("tool-pins")
+    assert not pin_book._PLACED

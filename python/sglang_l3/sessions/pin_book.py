@@ -64,6 +64,7 @@ class Pin:
     rid: str
     expires: float  # the book's clock
     handle: Any = None  # the expiry timer (asyncio.TimerHandle)
+    session: str = ""  # the pinned session
 
 
 class PinBook:
@@ -93,7 +94,7 @@ class PinBook:
     def pin(self, sid: str, rid: str, ttl: float) -> tuple[Pin, list[Pin]]:
         """Pin sid for ttl s; returns (the pin, pins dropped to stay under MAX_PINS)."""
         old = self.pins.pop(sid, None)
-        p = Pin(rid, self._now() + ttl)
+        p = Pin(rid, self._now() + ttl, session=sid)
         self.pins[sid] = p
         dropped = [old] if old is not None else []
         while len(self.pins) > MAX_PINS:
@@ -109,12 +110,25 @@ class PinBook:
 
 
 _BOOK: PinBook | None | Literal[False] = None  # False: looked up, off
+# Patch tool-pins is applied in this process's patch set (it sets this in apply() and
+# clears it on undo): the scheduler processes apply the same set, so without it no rank
+# takes a pin message and each would cost an error and a TP barrier (SGLANG_L3_DISABLE=tool-pins).
+_PLACED = False
+
+
+def set_placed(placed: bool) -> None:
+    """Patch tool-pins: whether the scheduler side that takes pin messages is applied."""
+    global _PLACED
+    _PLACED = placed
 
 
 def book() -> PinBook | None:
     """The process's pin book; None when tool pins are off (or misconfigured:
-    start-up fails on that in patch tool-pins; here it only logs)."""
+    start-up fails on that in patch tool-pins; here it only logs), or when patch
+    tool-pins is not applied (nothing would take the messages)."""
     global _BOOK
+    if not _PLACED:
+        return None
     if _BOOK is None:
         try:
             cfg = configured()
@@ -166,6 +180,11 @@ def _pin(tm: Any, b: PinBook, rid: str, sid: str) -> None:
     for old in dropped:
         if old.handle is not None:
             old.handle.cancel()
+    # the pins dropped to stay under MAX_PINS end on the scheduler ranks too (sent ahead of
+    # the new pin), so the two books never drift apart; a re-pin of sid replaces its own there
+    for old in dropped:
+        if old.session != sid:
+            send_pin(tm, EXPIRED, old.session)
     # order: the pin's expiry on this process's clock, the same number on every rank
     send_pin(tm, PIN, sid, int(p.expires * 1000))
     p.handle = asyncio.get_running_loop().call_later(ttl, _expire, tm, sid, rid)

@@ -151,5 +151,10 @@ def applicable() -> str | None:
 
 
 def apply(ctx: PatchContext) -> None:
+    from sglang_l3.sessions import pin_book
+
     ctx.around(f"{SCHED}.process_input_requests", _process_input_requests)
     ctx.before(f"{CACHE}._evict", _before_evict)
+    # the HTTP side sends pin messages only while this (scheduler) side is applied
+    pin_book.set_placed(True)
+    ctx.on_undo(lambda: pin_book.set_placed(False))
