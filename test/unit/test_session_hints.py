@@ -255,3 +255,57 @@ def test_routes_answer_clearly(monkeypatch, tmp_path):
     assert [o.session_id for o in closes] == [DROP_MARK + "agent-x"]
     assert "agent-x" not in BOOK.contexts
     BOOK.hints.clear()
+
+
+def test_a_timed_out_device_tokens_ask_leaves_upstreams_communicator_usable(monkeypatch):
+    """GET /sglang_l3/sessions gives up on the scheduler after DEVICE_TOKENS_TIMEOUT_S.
+    Upstream's internal-state communicator must come out of that as it went in: the late
+    answer to our ask is not taken as the answer to the next caller's (here upstream's own
+    `get_internal_state`, as /get_server_info calls it)."""
+    from sglang.srt.managers.communicator import FanOutCommunicator
+    from sglang.srt.managers.io_struct import GetInternalStateReqOutput
+    from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin
+    from sglang_l3.patches.sessions import session_hints
+    from sglang_l3.sessions.activity import DEVICE_TOKENS_KEY
+
+    monkeypatch.setattr(session_hints, "DEVICE_TOKENS_TIMEOUT_S", 0.05)
+
+    class _TM:
+        """Upstream's own get_internal_state over upstream's communicator; the scheduler
+        answers each ask later, when the test says, naming the ask it answers."""
+
+        get_internal_state = TokenizerControlMixin.get_internal_state
+
+        def __init__(self) -> None:
+            self.asks = 0
+            self.get_internal_state_communicator = FanOutCommunicator(self._send, 1)
+
+        def auto_create_handle_loop(self) -> None:
+            pass
+
+        def _send(self, req) -> None:
+            self.asks += 1
+
+        def answer(self, n: int) -> None:
+            state = {DEVICE_TOKENS_KEY: {"ask": n}}
+            self.get_internal_state_communicator.handle_recv(GetInternalStateReqOutput(internal_state=state))
+
+    async def run() -> None:
+        tm = _TM()
+        assert await session_hints._device_tokens(tm) is None  # the scheduler is busy: unknown
+        assert tm.asks == 1
+        upstream = asyncio.ensure_future(tm.get_internal_state())  # e.g. /get_server_info
+        await asyncio.sleep(0.01)
+        tm.answer(1)  # the late answer to our ask
+        await asyncio.sleep(0.01)
+        tm.answer(2)  # upstream's answer, if it has sent its ask
+        states = await asyncio.wait_for(upstream, 1.0)
+        assert tm.asks == 2
+        assert states == [{DEVICE_TOKENS_KEY: {"ask": 2}}], "the late answer was taken as upstream's"
+        # and ours works again
+        later = asyncio.ensure_future(session_hints._device_tokens(tm))
+        await asyncio.sleep(0.01)
+        tm.answer(3)
+        assert await later == {"ask": 3}
+
+    asyncio.run(run())

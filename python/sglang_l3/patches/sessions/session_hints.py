@@ -32,6 +32,7 @@ import json
 import logging
 import sys
 import time
+import weakref
 from typing import Any
 
 from sglang_l3.patches.framework import PatchContext
@@ -178,17 +179,39 @@ def add_routes(app: Any) -> None:
     app.add_api_route("/sglang_l3/sessions/{session_id}", drop_session, methods=["DELETE"])
 
 
+# tm -> its /get_internal_state call in flight (one at a time; later asks join it)
+_INTERNAL_STATE: "weakref.WeakKeyDictionary[Any, asyncio.Task]" = weakref.WeakKeyDictionary()
+
+
 async def _device_tokens(tm: Any) -> dict[str, int] | None:
     """Per-session device tokens from the scheduler (patch `session-device-tokens`,
-    through upstream's internal-state request); None when unknown."""
+    through upstream's internal-state request); None when unknown.
+
+    Upstream's communicator (`FanOutCommunicator.queueing_call`) clears its waiter
+    only when the answer is awaited to the end; a waiter cancelled by our timeout
+    would stay armed and take the late answer as the next caller's (upstream's
+    `/get_server_info` included). So the call runs as its own task that our
+    timeout never cancels (asyncio.shield): it ends when the scheduler answers,
+    leaving the communicator as it found it; asks meanwhile join it."""
     from sglang_l3.sessions.activity import device_tokens_of
 
     try:
-        states = await asyncio.wait_for(tm.get_internal_state(), DEVICE_TOKENS_TIMEOUT_S)
+        task = _INTERNAL_STATE.get(tm)
+        if task is None or task.done():
+            task = asyncio.get_running_loop().create_task(tm.get_internal_state())
+            task.add_done_callback(_retrieve)
+            _INTERNAL_STATE[tm] = task
+        states = await asyncio.wait_for(asyncio.shield(task), DEVICE_TOKENS_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - busy or down: the column says unknown
         logger.debug("sglang-l3: no device tokens from the scheduler: %s", e)
         return None
     return device_tokens_of(states)
+
+
+def _retrieve(task: "asyncio.Task") -> None:
+    """A call nobody awaits any more must not log 'exception never retrieved'."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _after_init(result: Any, tm: Any, *args: Any, **kwargs: Any) -> None:
