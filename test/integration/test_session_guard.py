@@ -149,3 +149,63 @@ def test_a_context_still_queued_for_l3_is_protected(tmp_path, core):
         h.serve(_hint_a(h))
         assert len(sent) == 1
         assert st.match(A + [7]).device_prefix_len >= 256
+
+
+def test_a_hint_whose_context_is_not_in_l3_is_dropped_not_computed(tmp_path, core, monkeypatch):
+    """A hint stages only what the device, host staging and L3 hold (plus a short tail):
+    a hint of A extended by tokens no tier holds would be a prefill of them, so it is
+    dropped at admission (not_restorable), computing nothing and holding nothing; the
+    same hint of A alone lands."""
+    from sglang_l3.patches.sessions import session_guard
+
+    monkeypatch.setattr(session_guard, "HINT_MAX_COMPUTE_TOKENS", 16)
+    with L3Stack(HybridSpec(page_size=1, kv_size=KV_ROWS), str(tmp_path), tree_core=core) as st:
+        h, sent = _setup(st)  # A is in L3, B on the device
+        fresh = list(range(5000, 5040))  # 40 tokens no tier holds
+        hint = h.make_req(A + [7] + fresh, rid=hint_rid("agent-a"), max_new_tokens=0)
+        h.arrive(hint)
+        h.wait_prefetch(hint)
+        batch = h.admit()
+        assert batch is None or all(r is not hint for r in batch.reqs), "the hint was admitted: a prefill"
+        assert not any(r is hint for r in h.s.waiting_queue), "the hint stays queued"
+        assert len(sent) == 1 and sent[0][1] is hint, "the hint was not answered"
+        assert "not_restorable" in sent[0][0].finished_reason["message"]
+        assert st.match(A + [7] + fresh).device_prefix_len < len(A), "it computed (or restored) anyway"
+        from sglang_l3.testing import idle_check
+
+        assert not idle_check.pool_leaks(st), "the dropped hint holds rows or slots"
+
+        h.serve(_hint_a(h))  # A alone is restorable: it lands
+        assert len(sent) == 1
+        assert st.match(A + [7]).device_prefix_len >= 256
+
+
+def test_a_hint_restored_through_a_streamed_restore_is_not_dropped(tmp_path, core, monkeypatch):
+    """A context larger than host staging comes back in pieces (patch streamed-restore):
+    its hint covers the whole context from L3, so it is admitted, never counted as compute."""
+    from sglang_l3.patches.sessions import session_guard
+
+    monkeypatch.setattr(session_guard, "HINT_MAX_COMPUTE_TOKENS", 64)
+    spec = HybridSpec(page_size=64, kv_size=4096, max_context_len=4096)
+    args = {"hicache_ratio": 0.25}
+    seq = list(range(5, 5 + 1792))
+    with L3Stack(spec, str(tmp_path), tree_core=core, server_args=args) as w:
+        w.write(seq, marker=4.0)
+        w.settle()
+    with L3Stack(spec, str(tmp_path), tree_core=core, server_args=args) as st:
+        cc = st.cache.cache_controller
+        cc.prefetch_capacity_limit = int(0.9 * cc.mem_pool_host.size)
+        assert len(seq) > cc.mem_pool_host.size  # streamed
+        h = SchedulerHarness(st, chunked_prefill_size=4096)
+        sent: list = []
+        h.s.send_abort_output = lambda abort, req: sent.append((abort, req))
+        hint = h.make_req(seq + [3], rid=hint_rid(None), max_new_tokens=0)
+        h.arrive(hint)
+        h.wait_prefetch(hint)
+        batch = h.admit()
+        assert not sent, sent[0][0].finished_reason if sent else None
+        assert batch is not None and hint in batch.reqs
+        assert hint.prefix_len == len(seq)
+        h.forward(batch)
+        h.finish(hint)
+        st.settle()

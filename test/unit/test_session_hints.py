@@ -309,3 +309,29 @@ def test_a_timed_out_device_tokens_ask_leaves_upstreams_communicator_usable(monk
         assert await later == {"ask": 3}
 
     asyncio.run(run())
+
+
+def test_a_hint_dropped_as_not_restorable_says_so():
+    """A hint whose context is not whole on the device, in host staging or in L3 is
+    dropped by the scheduler (patch session-guard) rather than computed: its state is
+    not_restorable, counted, and not a failure."""
+    from sglang_l3 import metrics
+    from sglang_l3.sessions.hints import NOT_RESTORABLE
+
+    class Dropped:
+        async def generate_request(self, obj, request=None):
+            yield {
+                "meta_info": {
+                    "cached_tokens": 0,
+                    "finish_reason": {"type": "abort", "message": f"sglang-l3 hint {NOT_RESTORABLE}: 9000 of ..."},
+                }
+            }
+
+    async def main():
+        before = metrics.get("session_hints", NOT_RESTORABLE)
+        h, _ = HintBook().start(Dropped(), [1, 2], "agent-a")
+        await asyncio.wait_for(h.done.wait(), 10)
+        assert h.state == NOT_RESTORABLE and h.as_dict()["state"] == NOT_RESTORABLE
+        assert metrics.get("session_hints", NOT_RESTORABLE) == before + 1
+
+    asyncio.run(main())

@@ -6,7 +6,10 @@ through `TokenizerManager.generate_request`: the scheduler (every TP rank
 alike, requests are broadcast) finds the prefix in L3 and restores it through
 upstream's own storage prefetch -> host staging -> device load-back path,
 computes the short tail past the last stored page, and leaves the context in
-the device tree. The route returns at once; the hint's state is polled.
+the device tree. A hint never computes more than that tail: one whose context
+is not whole on the device, in host staging or in L3 is dropped by the
+scheduler at admission (patch session-guard; state not_restorable). The route
+returns at once; the hint's state is polled.
 
 A request that extends a hinted context (or names the hinted session) while
 the hint is in flight waits for the hint to land and then runs: it reads
@@ -38,6 +41,10 @@ HINT_RID_PREFIX = "sglang-l3-hint-"
 # evict an open session's device context (patch session-guard); the marker is
 # carried in the abort message.
 DEFERRED_DEVICE_FULL = "deferred_device_full"
+# State of a hint the scheduler dropped at admission because the device, host and L3
+# together hold too little of its context: staging it would be a prefill (patch
+# session-guard; the marker is carried in the abort message).
+NOT_RESTORABLE = "not_restorable"
 MAX_CONTEXTS = 4096  # sessions whose last context this process remembers
 MAX_FINISHED = 4096  # finished hints kept for status queries
 JOIN_TIMEOUT_S = 600.0
@@ -54,7 +61,7 @@ class Hint:
     id: str
     ids: tuple[int, ...]
     session_id: str | None
-    state: str = "staging"  # staging | landed | failed | deferred_device_full
+    state: str = "staging"  # staging | landed | failed | deferred_device_full | not_restorable
     created: float = field(default_factory=time.time)
     finished: float | None = None
     cached: dict[str, int] = field(default_factory=dict)
@@ -189,8 +196,9 @@ class HintBook:
             metrics.inc("session_hint_tokens_from_l3", n=h.cached.get("storage", 0))
         except Exception as e:  # noqa: BLE001 - a failed hint is a state, never an error for others
             h.error = str(e) or type(e).__name__
-            # declined by the scheduler's guard: not a failure, the device is full
-            h.state = DEFERRED_DEVICE_FULL if DEFERRED_DEVICE_FULL in h.error else "failed"
+            # declined by the scheduler's guard: not a failure (the device is full, or the
+            # context is not in L3 and staging it would compute it)
+            h.state = next((m for m in (DEFERRED_DEVICE_FULL, NOT_RESTORABLE) if m in h.error), "failed")
             metrics.inc("session_hints", h.state)
             if h.state == "failed":
                 logger.warning("sglang-l3 hint %s failed: %s", h.id, h.error)
@@ -299,6 +307,7 @@ __all__ = [
     "prediction",
     "DEFERRED_DEVICE_FULL",
     "HINT_RID_PREFIX",
+    "NOT_RESTORABLE",
     "Hint",
     "HintBook",
     "HintError",

@@ -42,6 +42,14 @@ Same decision on every TP rank: the verdict reads the radix tree, the
 allocators, the queues and the session registry, which every rank builds from
 the same requests in the same order, and is MAX-reduced over the TP CPU group.
 
+A hint stages only what is stored: AROUND `PrefillAdder.add_one_req` (its L3
+read staged, as upstream admits it) a hint that would compute more than
+HINT_MAX_COMPUTE_TOKENS past its device prefix and host-staged span is not
+added, and after the admission pass (AROUND `Scheduler._get_new_batch_prefill_raw`)
+it leaves the waiting queue the way upstream's abort takes a queued request,
+answered with `not_restorable`. The lengths are the ones upstream's admission
+reads (hits MIN-reduced), so every rank drops the same hint.
+
 The open sessions' contexts are the token ids of each session's last finished
 turn, recorded AFTER `UnifiedRadixCache.on_release` (process memory: after a
 restart the device is empty, so there is nothing to guard).
@@ -60,7 +68,7 @@ from sglang_l3 import metrics
 from sglang_l3.patches.framework import PatchContext
 from sglang_l3.patches.sessions.sessions import registry_of, session_id_of
 from sglang_l3.sessions.contexts import DEFAULT_MAX_BYTES, tokens_array
-from sglang_l3.sessions.hints import DEFERRED_DEVICE_FULL, HINT_RID_PREFIX, hint_session
+from sglang_l3.sessions.hints import DEFERRED_DEVICE_FULL, HINT_RID_PREFIX, NOT_RESTORABLE, hint_session
 
 logger = logging.getLogger("sglang_l3.session_guard")
 
@@ -69,6 +77,11 @@ SCHED = "sglang.srt.managers.scheduler:Scheduler"
 MAX_SESSIONS = 256  # device contexts remembered (most recently finished first)
 MAX_CONTEXT_BYTES = DEFAULT_MAX_BYTES  # and their tokens' bytes (4 a token: sessions.contexts)
 MAMBA_SLOTS_PER_HINT = 2  # the request's private slot + the node's cached snapshot
+# The most a hint may compute at admission past what the device, host staging and L3 hold
+# (its tail past the last restorable page); more, and staging it would be a prefill.
+HINT_MAX_COMPUTE_TOKENS = 4096
+ADDER = "sglang.srt.managers.schedule_policy:PrefillAdder"
+_NOT_RESTORABLE = "_sglang_l3_hint_not_restorable"
 
 # why a session's device context is protected (also the counter labels)
 BUSY, HINTED, PRIORITY, WRITING = "busy", "hinted", "priority", "writing"
@@ -336,6 +349,76 @@ def _add_request_to_queue(original: Any, sched: Any, req: Any, is_retracted: boo
     return result
 
 
+def _is_hint(req: Any) -> bool:
+    rid = getattr(req, "rid", None)
+    return isinstance(rid, str) and rid.startswith(HINT_RID_PREFIX)
+
+
+def hint_compute_tokens(req: Any) -> int:
+    """Tokens a hint would compute if admitted now: its input past the device prefix
+    and the host-staged span (L3 hits are staged there before admission). Hit lengths
+    are MIN-reduced across TP ranks by upstream, the device prefix is the tree's."""
+    todo = len(req.full_untruncated_fill_ids) - int(req.prefix_len)  # as upstream's add_one_req
+    return max(0, todo - int(getattr(req, "host_hit_length", 0) or 0))
+
+
+def _add_one_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """A hint whose context is not whole on the device, in host staging or in L3 is not
+    admitted (its staging would recompute the rest): it is marked, and dropped after the
+    admission pass (`_get_new_batch_prefill_raw`)."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    if not _is_hint(req):
+        return original(adder, req, *args, **kwargs)
+    compute = hint_compute_tokens(req)
+    # the same on every rank: upstream's own admission of this request reads the same
+    # lengths (device prefix from the tree, hits MIN-reduced), so no reduction is needed
+    if compute <= HINT_MAX_COMPUTE_TOKENS:
+        return original(adder, req, *args, **kwargs)
+    setattr(req, _NOT_RESTORABLE, compute)
+    return AddReqResult.OTHER  # not added: upstream reverts its Mamba slot
+
+
+def _get_new_batch_prefill_raw(original: Any, sched: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(sched, *args, **kwargs)
+    for req in [r for r in sched.waiting_queue if getattr(r, _NOT_RESTORABLE, None) is not None]:
+        _drop_not_restorable(sched, req)
+    return result
+
+
+def _drop_not_restorable(sched: Any, req: Any) -> None:
+    """Upstream's abort of a queued request (`Scheduler.abort_request`, its
+    waiting-queue path), with the reason the HTTP side reads."""
+    from http import HTTPStatus
+
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    from sglang.srt.managers.scheduler import _make_abort_req
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    compute = getattr(req, _NOT_RESTORABLE)
+    reason = (
+        f"sglang-l3 hint {NOT_RESTORABLE}: {compute} of its {len(req.origin_input_ids)} tokens are not on "
+        f"the device, in host staging or in L3; staging it would compute them (at most "
+        f"{HINT_MAX_COMPUTE_TOKENS}), so it is dropped"
+    )
+    metrics.inc("session_hint_guard", NOT_RESTORABLE)
+    logger.info("%s (hint %s)", reason, req.rid)
+    sched.waiting_queue.remove(req)
+    sched._release_aborted_request(req)
+    sched.send_abort_output(
+        _make_abort_req(
+            req,
+            finished_reason={"type": "abort", "status_code": HTTPStatus.SERVICE_UNAVAILABLE, "message": reason},
+        ),
+        req,
+    )
+    if req.kv.holds_mamba:
+        req.finished_reason = FINISH_ABORT()
+        release_kv_cache(req, sched.tree_cache, checkpoint=False)
+
+
 def apply(ctx: PatchContext) -> None:
     ctx.after(f"{CACHE}.on_release", _on_release)
     ctx.around(f"{SCHED}._add_request_to_queue", _add_request_to_queue)
+    ctx.around(f"{ADDER}.add_one_req", _add_one_req)
+    ctx.around(f"{SCHED}._get_new_batch_prefill_raw", _get_new_batch_prefill_raw)

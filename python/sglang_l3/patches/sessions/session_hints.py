@@ -9,6 +9,7 @@ the HTTP server process (sglang_l3/sessions/hints.py does the work):
   it builds the tokenizer manager):
     POST /sglang_l3/prefetch           {"session_id": ..., "input_ids": [...]}
     GET  /sglang_l3/prefetch/{hint_id} staging | landed | failed | deferred_device_full
+                                       | not_restorable
     GET  /sglang_l3/sessions           the store's session table + hint counts, each
                                        session's turns seen here, its tokens on the
                                        device (the scheduler's, patch
