@@ -39,3 +39,22 @@ def test_a_streamed_chunk_that_ends_in_tool_calls_names_its_request():
     assert tool_call_rid("data: [DONE]\n\n") is None
     assert tool_call_rid('data: {"id": 5, "choices": [{"finish_reason": "tool_calls"}]}') is None
     assert tool_call_rid("data: {not json tool_calls") is None
+
+
+def test_no_tool_turn_message_while_the_scheduler_side_is_not_applied(monkeypatch):
+    """Issue 49: with SGLANG_L3_DISABLE=tool-call-turns the HTTP side still sent its
+    RpcReqInput on every tool-calling turn; no scheduler hook took it out, so upstream's
+    dispatcher answered each with an error and a TP barrier."""
+    from types import SimpleNamespace
+
+    from sglang_l3.sessions import pin_book, turn_pairs
+
+    sent = []
+    tm = SimpleNamespace(server_args=SimpleNamespace(dp_size=1), _dispatch_to_scheduler=sent.append)
+    monkeypatch.setattr(pin_book, "on_tool_turn", lambda *a: None)
+    monkeypatch.setattr(turn_pairs, "PAIRS", TurnPairs())
+    for placed, rid in ((False, "off"), (True, "on")):
+        monkeypatch.setattr(turn_pairs, "_PLACED", placed, raising=False)
+        turn_pairs.on_finished(tm, rid, f"s-{rid}")
+        turn_pairs.on_tool_call(tm, rid)
+    assert [m.parameters for m in sent] == [{"session": "s-on"}]

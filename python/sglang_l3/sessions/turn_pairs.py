@@ -101,15 +101,27 @@ def on_tool_call(tm: Any, rid: str) -> None:
         _tool_turn(tm, rid, sid)
 
 
+_PLACED = False
+
+
+def set_placed(placed: bool) -> None:
+    """Patch tool-call-turns: whether the scheduler side that takes tool-turn messages is
+    applied. Without it a message would reach upstream's dispatcher (an error and a TP
+    barrier each)."""
+    global _PLACED
+    _PLACED = placed
+
+
 def _tool_turn(tm: Any, rid: str, sid: str) -> None:
     from sglang_l3.sessions import pin_book
 
     if not single_rank(tm):
         return
-    try:
-        rpc.send(tm, rpc.TOOL_TURN, {"session": sid})  # tell the scheduler ranks
-    except Exception:  # noqa: BLE001 - placement only: never fail an answer
-        logger.exception("sglang-l3 tool turns: cannot tell the scheduler about %s", sid)
+    if _PLACED:
+        try:
+            rpc.send(tm, rpc.TOOL_TURN, {"session": sid})  # tell the scheduler ranks
+        except Exception:  # noqa: BLE001 - placement only: never fail an answer
+            logger.exception("sglang-l3 tool turns: cannot tell the scheduler about %s", sid)
     pin_book.on_tool_turn(tm, rid, sid)
 
 
@@ -119,6 +131,7 @@ __all__ = [
     "TurnPairs",
     "on_finished",
     "on_tool_call",
+    "set_placed",
     "single_rank",
     "tool_call_rid",
 ]

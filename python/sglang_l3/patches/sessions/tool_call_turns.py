@@ -80,6 +80,11 @@ def _after_build_chat_response(result: Any, serving: Any, *args: Any, **kwargs: 
 
 
 def apply(ctx: PatchContext) -> None:
+    from sglang_l3.sessions import turn_pairs
+
     ctx.around(f"{SCHED}.process_input_requests", _process_input_requests)
     ctx.around(f"{CHAT}._generate_chat_stream", _generate_chat_stream)
     ctx.after(f"{CHAT}._build_chat_response", _after_build_chat_response)
+    # the HTTP side sends tool-turn messages only while this (scheduler) side is applied
+    turn_pairs.set_placed(True)
+    ctx.on_undo(lambda: turn_pairs.set_placed(False))
