@@ -200,6 +200,8 @@ def test_a_failing_session_table_never_delays_page_writes_and_is_written_once_it
         assert st.counters.get("write_ok") == 4 and st.counters.get("write_errors") == 0
         monkeypatch.undo()  # the fault ends; no session changes from here on
         _wait(lambda: [r.id for r in table.load(st.dirs, st.mid)[0]] == ["agent-1"], "the table written again")
+        # the writer logs just after its replace lands: wait for the line, not only the file
+        _wait(lambda: any("written again" in r.getMessage() for r in caplog.records), "the recovery logged")
     lines = [r.getMessage() for r in caplog.records]
     assert sum("cannot write the session table" in m for m in lines) == 1, lines  # once for EFBIG
     assert sum("the session table is written again" in m for m in lines) == 1, lines
