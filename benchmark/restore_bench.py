@@ -5,10 +5,16 @@ One rank of TP=2 for Qwen3-Next-80B-A3B and Qwen3.5-27B, through the real upstre
 cache stack on CPU (`sglang_l3.testing.stack.L3Stack`: UnifiedRadixCache +
 HybridCacheController + buffer-only HiCache) and our store (patch store-file), with
 the streamed patches (issue 11). Per row (model, context, host staging buffer):
-tokens, bytes, restore seconds (storage -> device, cold page cache), GB/s, the
-store's own cold read GB/s of the same KV pages measured right before each restore
-(medians over --repeat such pairs, default 3), CPU-seconds per GiB of the restore and of the store read
-(`store_cpu`: what reading and checking the pages costs by itself), and upstream's
+tokens, bytes, restore seconds (storage -> device, cold page cache), GB/s, and two
+baselines that read the same bytes as the restore (every KV page and the last page's
+Mamba state) with the restore's own reader concurrency (two readers, as its two
+pieces in flight), measured right before each restore: the store's own cold read
+(`store_GB/s`, checked pages, 128 pages a call) and the raw disk's (`raw_GB/s`: the
+same files whole, O_DIRECT, unchecked, as many requests in flight as the store's two
+readers issue). `ratio` = restore / store, `vs_raw` =
+restore / raw disk (medians over --repeat such triples, default 3). Then CPU-seconds
+per GiB of the restore and of the store read (`store_cpu`: what reading and checking
+the pages costs by itself), and upstream's
 result on the same row (restored tokens with the patch `streamed-restore` undone
 in-process; 0 where upstream declines).
 
@@ -51,8 +57,8 @@ Contexts 8K, 32K, 128K (256K with --contexts). Host staging buffers 1/16, 1/4 an
 buffer + the Mamba pools, ~20 states: `row_gib`), everything freed and collected
 before the next; a row runs when its estimate fits MemAvailable - 2 GiB read just
 before it (or --max-gib), and is printed as skipped otherwise - never scaled. The
-writer uses a 1/4 buffer (streamed write); the store read uses one reused 128-page
-host region. Cold reads: page cache dropped (or fadvise(DONTNEED) per file without
+writer uses a 1/4 buffer (streamed write); each of the store read's two readers uses
+one reused 128-page host region. Cold reads: page cache dropped (or fadvise(DONTNEED) per file without
 root) before every read; pools are faulted in before the timer starts.
 What the timer covers: the restore a request gets, from the prefetch's first store
 read to the ack — the store's reads, the host->device copies, the scheduler
@@ -339,29 +345,115 @@ def measure_upstream(m: ModelShape, seq: list[int], store: str, buffer_tokens: i
 
 
 def measure_store_read(m: ModelShape, keys: list[str], store: str) -> dict:
-    """The store's own cold read of the same KV pages (batch_get_v1, 128 pages a
-    call as upstream's IO thread), into one reused host region of a small stack:
-    what the disk and the store deliver, without a context-sized host pool."""
+    """The store's own cold read of what a restore reads: every KV page and the Mamba
+    state at the last page, with the restore's reader concurrency (MAX_INFLIGHT reader
+    threads, READ_BATCH_PAGES pages a call, as its pieces), each reader into its own
+    reused host region of a small stack: what the disk and the store deliver for the
+    same bytes, without a context-sized host pool."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang_l3.patches.hicache.streamed_restore import MAX_INFLIGHT, READ_BATCH_PAGES
+    from sglang_l3.storage.store import ReadItem
     from sglang_l3.testing.stack import L3Stack
 
-    batch_pages = 128
-    region = min(len(keys), batch_pages) * PAGE
-    spec = hybrid_spec(m, region)
-    with L3Stack(spec, store, server_args=buffer_args(spec, region), host_budget_bytes=host_budget()) as st:
+    region = min(len(keys), READ_BATCH_PAGES) * PAGE
+    spec = hybrid_spec(m, MAX_INFLIGHT * region)
+    with L3Stack(
+        spec, store, server_args=buffer_args(spec, MAX_INFLIGHT * region), host_budget_bytes=host_budget()
+    ) as st:
         cc = st.cache.cache_controller
-        host = cc.mem_pool_host.alloc(region)
+        be = cc.storage_backend
+        hosts = [cc.mem_pool_host.alloc(region) for _ in range(MAX_INFLIGHT)]
+        state_spec = be.store.pool_spec(be.pool_layout(PoolName.MAMBA))
+        state_buf = bytearray(state_spec.payload_len)
         touch_host_pools(cc)  # as for the restore: resident memory, cold disk
+        batches = [keys[i : i + READ_BATCH_PAGES] for i in range(0, len(keys), READ_BATCH_PAGES)]
+
+        def reader(r: int) -> int:
+            ok = 0
+            for batch in batches[r::MAX_INFLIGHT]:
+                ok += sum(bool(x) for x in be.batch_get_v1(batch, hosts[r][: len(batch) * PAGE]))
+            return ok
+
         drop_page_cache(store)
         c0, t0 = time.process_time(), time.perf_counter()
-        ok = 0
-        for i in range(0, len(keys), batch_pages):
-            batch = keys[i : i + batch_pages]
-            res = cc.storage_backend.batch_get_v1(batch, host[: len(batch) * PAGE])
-            ok += sum(bool(x) for x in res)
+        with ThreadPoolExecutor(MAX_INFLIGHT) as pool:
+            ok = sum(pool.map(reader, range(MAX_INFLIGHT)))
+        state_ok = be.store.read([ReadItem(keys[-1], state_spec, [memoryview(state_buf)])]) == [True]
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        cc.mem_pool_host.free(host)
+        for h in hosts:
+            cc.mem_pool_host.free(h)
     free_memory()
-    return {"pages": ok, "wall": wall, "cpu": cpu}
+    return {"pages": ok, "state": state_ok, "wall": wall, "cpu": cpu}
+
+
+def page_paths(m: ModelShape, keys: list[str], store: str) -> tuple[list[tuple[str, int]], int]:
+    """The files a restore reads (every KV page, the last page's Mamba state) and their
+    sizes, as the store names them; and the store's requests in flight per read call
+    (its IO engine's O_DIRECT workers, `io_threads`)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang_l3.testing.stack import L3Stack
+
+    spec = hybrid_spec(m, PAGE)
+    with L3Stack(spec, store, server_args=buffer_args(spec, PAGE), host_budget_bytes=host_budget()) as st:
+        be = st.cache.cache_controller.storage_backend
+        kv = be.store.pool_spec(be.pool_layout(PoolName.KV))
+        state = be.store.pool_spec(be.pool_layout(PoolName.MAMBA))
+        files = [be.store.path_of(k, kv) for k in keys] + [be.store.path_of(keys[-1], state)]
+        depth = be.settings.io_threads
+    free_memory()
+    return [(f, os.path.getsize(f)) for f in files], depth
+
+
+RAW_BLOCK = 4 << 20  # bytes per raw request: a KV page file whole, a state file in blocks
+
+
+def measure_raw_read(files: list[tuple[str, int]], store: str, readers: int) -> dict:
+    """The raw disk's cold read of the same files: O_DIRECT where the filesystem has
+    it, in requests of at most RAW_BLOCK bytes taken by `readers` threads (the store's
+    requests in flight) into resident buffers, no checks: what the disk delivers to a
+    reader that neither checks nor places anything."""
+    import mmap
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    direct = getattr(os, "O_DIRECT", 0)
+    blocks = [(path, off, min(RAW_BLOCK, n - off)) for path, n in files for off in range(0, n, RAW_BLOCK)]
+    size = (max(b[2] for b in blocks) + 4095) // 4096 * 4096
+    bufs = [mmap.mmap(-1, size) for _ in range(readers)]
+    for b in bufs:
+        b.write(bytes(size))  # resident before the timer, as the restore's pools are
+    todo = iter(blocks)
+    lock = threading.Lock()
+
+    def reader(r: int) -> int:
+        got = 0
+        while True:
+            with lock:
+                block = next(todo, None)
+            if block is None:
+                return got
+            path, off, n = block
+            try:
+                fd = os.open(path, os.O_RDONLY | direct)
+            except OSError:  # no O_DIRECT on this filesystem
+                fd = os.open(path, os.O_RDONLY)
+            try:
+                view = memoryview(bufs[r])[: (n + 4095) // 4096 * 4096]
+                got += min(n, os.preadv(fd, [view], off))
+                view.release()
+            finally:
+                os.close(fd)
+
+    drop_page_cache(store)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(readers) as pool:
+        got = sum(pool.map(reader, range(readers)))
+    wall = time.perf_counter() - t0
+    for b in bufs:
+        b.close()
+    return {"bytes": got, "wall": wall}
 
 
 # Pools besides the KV ones, in Mamba states (device slots, the requests' own and
@@ -453,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
 
     framework.apply_all([s for s in framework.load_series() if s.group in ("hicache", "storage")])
     import sglang.srt.mem_cache.pool_host.base as host_base
+    from sglang_l3.patches.hicache.streamed_restore import MAX_INFLIGHT  # the restore's readers
 
     # Upstream keeps 10 GiB of host RAM free for the serving process; this benchmark
     # is the only process, and its own budget is --max-gib.
@@ -471,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {m.name}: KV {m.kv_bytes_per_token()} B/token, GDN state {m.state_bytes()} B")
     hdr = (
         f"{'model':20s} {'context':>8s} {'buffer':>6s} {'host_tok':>8s} {'tokens':>8s} {'bytes':>12s} "
-        f"{'restore_s':>9s} {'GB/s':>6s} {'store_GB/s':>10s} {'ratio':>6s} {'cpu_s/GiB':>9s} {'store_cpu':>9s} {'exact':>5s} {'upstream':>8s}"
+        f"{'restore_s':>9s} {'GB/s':>6s} {'store_GB/s':>10s} {'raw_GB/s':>8s} {'ratio':>6s} {'vs_raw':>7s} {'cpu_s/GiB':>9s} {'store_cpu':>9s} {'exact':>5s} {'upstream':>8s}"
     )
     print(hdr)
     small: list[tuple[int, float, float, float]] = []  # (context, R, F, U)
@@ -487,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 log(f"[{m.name} {context}] writing ...")
                 seq, keys = write_context(m, context, store)
-                kv_bytes = len(keys) * PAGE * m.kv_bytes_per_token()
+                # what a whole restore reads: every KV page and the last page's state
+                read_bytes = len(keys) * PAGE * m.kv_bytes_per_token() + m.state_bytes()
+                files, depth = page_paths(m, keys, store)
                 for label, frac in BUFFERS:
                     buf = max(PAGE, int(frac * context) // PAGE * PAGE)
                     need = row_gib(m, context, buf)
@@ -501,12 +596,14 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"[{m.name} {context}] buffer {label} ({buf} tokens) ...")
                     # Side by side: the store's read of the same pages right before
                     # each restore; medians over --repeat pairs (a shared box is noisy).
-                    reads, runs = [], []
+                    reads, runs, raws = [], [], []
                     for _ in range(args.repeat):
+                        raws.append(measure_raw_read(files, store, MAX_INFLIGHT * depth))
                         reads.append(measure_store_read(m, keys, store))
                         runs.append(measure_restore(m, seq, store, buf, check_inside_timer=args.check_inside_timer))
-                    ok = all(r["pages"] == len(keys) for r in reads)
-                    store_gbps = kv_bytes / statistics.median(r["wall"] for r in reads) / 1e9 if ok else float("nan")
+                    ok = all(r["pages"] == len(keys) and r["state"] for r in reads)
+                    store_gbps = read_bytes / statistics.median(r["wall"] for r in reads) / 1e9 if ok else float("nan")
+                    raw_gbps = statistics.median(r["bytes"] / r["wall"] for r in raws) / 1e9
                     ours = {
                         "host": runs[0]["host"],
                         "loaded": min(r["loaded"] for r in runs),
@@ -518,11 +615,11 @@ def main(argv: list[str] | None = None) -> int:
                     total = ours["loaded"] * m.kv_bytes_per_token() + (m.state_bytes() if ours["loaded"] else 0)
                     gbps = total / ours["wall"] / 1e9 if ours["loaded"] else 0.0
                     cpu_gib = ours["cpu"] / (total / 2**30) if total else float("nan")
-                    store_cpu_gib = statistics.median(r["cpu"] for r in reads) / (kv_bytes / 2**30)
+                    store_cpu_gib = statistics.median(r["cpu"] for r in reads) / (read_bytes / 2**30)
                     ratio = gbps / store_gbps if not math.isnan(store_gbps) else float("nan")
                     print(
                         f"{m.name:20s} {context:>8d} {label:>6s} {ours['host']:>8d} {ours['loaded']:>8d} {total:>12d} "
-                        f"{ours['wall']:>9.3f} {gbps:>6.2f} {store_gbps:>10.2f} {ratio:>6.2f} {cpu_gib:>9.2f} {store_cpu_gib:>9.2f} "
+                        f"{ours['wall']:>9.3f} {gbps:>6.2f} {store_gbps:>10.2f} {raw_gbps:>8.2f} {ratio:>6.2f} {gbps / raw_gbps:>7.2f} {cpu_gib:>9.2f} {store_cpu_gib:>9.2f} "
                         f"{ours['exact']!s:>5s} {'-' if up is None else up:>8}",
                         flush=True,
                     )
