@@ -3,7 +3,7 @@ no session id calls `/v1/chat/completions` as Hermes does (all tools, streaming,
 append-only history) against the CPU server with the README's agent flags and
 the sglang-l3 file store; its dummy-weight model answers with tool calls from a
 script. With SGLANG_L3_TOOL_PIN=100 (the TTL is the longest gap seen) each turn
-that ends in a tool call, once three gaps of 3 s are history, is pinned on the
+that ends in a tool call, once three gaps of 5 s are history, is pinned on the
 scheduler; the agent's next call (0.2 s later) ends the pin as a hit; the last
 call's pin, never followed, expires. Every forced token and its logprob equal a
 server that caches nothing (placement only)."""
@@ -40,7 +40,7 @@ CALLS = 6  # each answered with a tool call; the agent does not come back after 
 STEPS = [tool_step(f"Step {i}.", "run", cmd=f"make step{i}") for i in range(CALLS)] + [
     answer_step("Done.", "All built.")
 ]
-LEARN_S, SHORT_S = 3.0, 0.2  # the first three gaps (the history), then the quick tools
+LEARN_S, SHORT_S = 5.0, 0.2  # the first three gaps (the history), then the quick tools
 MAX_S = 10.0
 
 
