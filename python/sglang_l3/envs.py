@@ -157,6 +157,14 @@ _VARS = (
         "SGLANG_L3_E2E_TP2_DEVICE", "cpu", "device of the TP=2 e2e servers (cuda on a machine with >= 2 GPUs)", "tests"
     ),
     EnvVar(
+        "SGLANG_L3_TEST_FORK_LAUNCHER",
+        "0",
+        "1: sglang_l3.testing.server.Server starts launchers from a per-process fork server "
+        "(sglang_l3.testing.forked_launcher: upstream's launcher imports paid once); test/e2e/conftest.py sets it "
+        "while an e2e test runs unless the environment says 0",
+        "tests",
+    ),
+    EnvVar(
         "SGLANG_L3_TEST_IDLE_BUSY",
         "0",
         "1: test_idle_server starts its L3 server without --sleep-on-idle (the negative control: its sleep checks "

@@ -22,6 +22,13 @@ it is stopped, one "restarted" server over the same store (small device pool).
 Assertions read the server's own per-request metadata (`cached_tokens_details`:
 device / host / storage), never its logs.
 
+Launchers: the e2e tests' servers start from a launcher fork server
+(`sglang_l3.testing.forked_launcher`, SGLANG_L3_TEST_FORK_LAUNCHER=1 while an e2e
+test runs; 0 in the environment turns it off): the same launcher, with its upstream
+imports paid once per worker instead of at every start (about 6 s a start quiet).
+The scheduler and detokenizer processes are spawned by upstream as always.
+`test_startup_errors` (run_to_exit) and `test_plan_server` run the command line itself.
+
 Variants: `cpu` (default suite; needs no accelerator, skipped where one is
 present because the cpu-serving patches are not applicable there) and `cuda`
 (marked `gpu`; skipped without a CUDA device).
@@ -30,6 +37,7 @@ present because the cpu-serving patches are not applicable there) and `cuda`
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +55,25 @@ from l3_e2e import (
     P,
     run_agents,
 )
+from sglang_l3.testing import forked_launcher
 from sglang_l3.testing.server import Generation, Server, ServerConfig, warm_hicache_hash_extension
+
+_FORK_LAUNCHER = os.environ.get(forked_launcher.ENV, "1")  # what an e2e test's servers use
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """e2e tests (only they: this conftest's item hooks) start servers from the
+    launcher fork server, the session fixtures they set up included."""
+    os.environ[forked_launcher.ENV] = _FORK_LAUNCHER
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield
+    os.environ.pop(forked_launcher.ENV, None)
+    if nextitem is None or nextitem.path.parent != item.path.parent:
+        forked_launcher.shutdown()  # the worker's e2e tests are done: its imports go
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -267,8 +267,25 @@ class Qwen35Servers:
 _SHARED: dict[str, Qwen35Servers] = {}
 
 
+SHARING = ("test_images_server.py", "test_openai_client.py")  # the modules that share them
+
+
+def release_if_done(request: pytest.FixtureRequest) -> None:
+    """At a sharing module's end: stop the shared servers when no test collected after
+    this module's last one uses them (they hold ~5 GB that later servers' start-up
+    check for HiCache's 10 GiB host reserve needs); a later user starts them again."""
+    items = request.session.items
+    mine = [i for i, it in enumerate(items) if it.path == request.path]
+    if not mine or any(it.path.name in SHARING for it in items[mine[-1] + 1 :]):
+        return
+    s = _SHARED.get("s")
+    if s is not None:
+        s.stop()
+
+
 def shared_servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Qwen35Servers:
-    """The session's one Qwen35Servers (stopped when the session ends)."""
+    """The session's one Qwen35Servers (stopped after the last module that shares them,
+    or when the session ends)."""
     from sglang_l3.cpu import accelerator_present
 
     if accelerator_present():

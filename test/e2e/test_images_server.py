@@ -20,6 +20,8 @@ with a negative control on a server that runs without them (`unguarded`):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from l3_e2e import restorable
 from mm_e2e import (
@@ -33,6 +35,7 @@ from mm_e2e import (
     image_start,
     png,
     post_generate,
+    release_if_done,
     shared_servers,
     tokenizer,
     transposed_pair,
@@ -46,8 +49,9 @@ FORGED = "0123456789abcdef"  # any hex string: upstream takes it as the item has
 
 
 @pytest.fixture(scope="module")
-def servers(request, tmp_path_factory) -> Qwen35Servers:
-    return shared_servers(request, tmp_path_factory)
+def servers(request, tmp_path_factory) -> Iterator[Qwen35Servers]:
+    yield shared_servers(request, tmp_path_factory)
+    release_if_done(request)
 
 
 def _fresh_l3(s: Qwen35Servers):

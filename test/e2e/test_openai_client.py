@@ -20,10 +20,11 @@ prefill is chunked (patch cpu-attention-invariant; without it, ~1e-4 in logprobs
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 from l3_e2e import restorable
-from mm_e2e import Qwen35Servers, data_url, png, shared_servers, tokenizer, wait_stored, words
+from mm_e2e import Qwen35Servers, data_url, png, release_if_done, shared_servers, tokenizer, wait_stored, words
 
 pytestmark = pytest.mark.e2e
 
@@ -32,8 +33,9 @@ FLUSH_BEFORE = (2, 4)  # turn indices (0-based)
 
 
 @pytest.fixture(scope="module")
-def servers(request, tmp_path_factory) -> Qwen35Servers:
-    return shared_servers(request, tmp_path_factory)
+def servers(request, tmp_path_factory) -> Iterator[Qwen35Servers]:
+    yield shared_servers(request, tmp_path_factory)
+    release_if_done(request)
 
 
 def _client(server):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from sglang_l3.plan import models
 from sglang_l3.plan.planner import Inputs, make_plan
+from sglang_l3.testing import forked_launcher
 from sglang_l3.testing.server import Server, ServerConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -28,7 +29,9 @@ def _logged(log: str, pattern: str) -> int:
 
 
 @pytest.mark.parametrize("model", models.TINY)
-def test_a_server_started_with_the_plans_flags_has_its_pools(tmp_path: Path, model: str) -> None:
+def test_a_server_started_with_the_plans_flags_has_its_pools(tmp_path: Path, model: str, monkeypatch) -> None:
+    # the command line itself, as the user runs it (not the suite's launcher fork server)
+    monkeypatch.setenv(forked_launcher.ENV, "0")
     name, config, source = models.load(model)
     store = tmp_path / "store"
     plan = make_plan(

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import sglang_l3
-from sglang_l3.testing import native_logs, speed
+from sglang_l3.testing import forked_launcher, native_logs, speed
 from sglang_l3.testing.exits import Watch
 
 MODELS_DIR = Path(sglang_l3.__file__).resolve().parent / "models"
@@ -281,7 +281,7 @@ class Server:
         self.python = python
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | forked_launcher.ForkedLauncher | None = None
         self._watch: Watch | None = None
 
     # ------------------------------------------------------------- lifecycle
@@ -350,15 +350,20 @@ class Server:
 
     def _start_once(self, progress: Callable[[float], None] | None, progress_every: float) -> Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env(),
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        if forked_launcher.enabled() and self.python == sys.executable:
+            # the test suite's launcher fork server: the same launcher, its imports paid once
+            self.log_path.write_bytes(b"")
+            self.proc = forked_launcher.ForkedLauncher(self.python, self.command[3:], self.env(), str(self.log_path))
+        else:
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    self.command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env(),
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
         self._watch = Watch(self.proc.pid)
         self._wait_ready(progress, progress_every)
         return self
@@ -613,7 +618,7 @@ def prompt(seed: int, n: int, vocab: int = 1000) -> list[int]:
     return [rng.randrange(3, vocab + 3) for _ in range(n)]
 
 
-def stop_process_group(p: subprocess.Popen, timeout: float = 30.0) -> None:
+def stop_process_group(p: subprocess.Popen | forked_launcher.ForkedLauncher, timeout: float = 30.0) -> None:
     """Stop a child started in a session of its own: SIGTERM its process group so
     it shuts down cleanly; after `timeout`, upstream's kill_process_tree kills and
     reaps what is left, and the group is killed for any process that left the tree."""
