@@ -18,12 +18,15 @@ processes, which upstream *spawns* (fresh interpreters that import and patch
 themselves, so the plugin's start-up in every process is still what is tested).
 
 What differs from a plain start: the launcher's upstream modules were imported
-before its environment was set. SGLang reads its environment variables when they
-are used (`sglang.srt.environ`), and sglang-l3 is not imported by the fork server.
+before its environment was set (SGLang reads its environment variables when they
+are used, `sglang.srt.environ`; sglang-l3 is not imported by the fork server), and
+every launcher forked by one fork server shares its interpreter state, its string
+hash seed included. One of these may explain the unexplained logprob
+mismatch for which it is off by default (docs/testing.md).
 
-Used by `sglang_l3.testing.server.Server` when SGLANG_L3_TEST_FORK_LAUNCHER=1 (the
-e2e suite sets it, test/e2e/conftest.py); `run_to_exit` (start-up error tests)
-always runs the real command line. Single-threaded on both sides of the fork.
+Used by `sglang_l3.testing.server.Server` when SGLANG_L3_TEST_FORK_LAUNCHER=1 (off by
+default; test/e2e/conftest.py passes it to e2e tests only); `run_to_exit` (start-up
+error tests) always runs the real command line. Single-threaded on both sides of the fork.
 
 Protocol (one JSON object a line): the client writes {"argv", "env", "cwd", "log"};
 the fork server answers {"pid"} (or {"error"}), and {"exit": pid, "code": code}
