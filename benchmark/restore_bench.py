@@ -100,6 +100,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -304,13 +305,16 @@ def touch_host_pools(cc: Any) -> None:
             fill(getattr(entry.host_pool, name, None))
 
 
-def restore_busy(st: Any, seq: list[int], *, check_forward: bool = False) -> tuple[Any, int]:
+def restore_busy(
+    st: Any, seq: list[int], *, check_forward: bool = False, on_tick: Callable[[Any], None] | None = None
+) -> tuple[Any, int]:
     """`L3Stack.restore` with a scheduler-loop stand-in that ticks as soon as there
     is work, as upstream's loop does while a prefetch is in progress: at once when a
     piece copy completed (its host slots go to the next read), else it blocks on the
     read the streamed restore lands next (an event), else polls every 0.5 ms
     (`testing.stack.wait_for_work`). No forward-time check unless `check_forward`
-    (see measure_restore)."""
+    (see measure_restore). `on_tick(handle)` runs after every tick until the prefetch
+    is done (a benchmark's observer: agent_switch times the wait for device rows)."""
     from array import array
 
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
@@ -325,6 +329,8 @@ def restore_busy(st: Any, seq: list[int], *, check_forward: bool = False) -> tup
         if time.monotonic() > deadline:
             raise RestoreFailed("prefetch did not finish")
         cache.check_hicache_events()
+        if on_tick is not None:
+            on_tick(h)
         wait_for_work(cache)
     cache.pop_prefetch_loaded_tokens(h)
     if not bp.has_staged(h):
@@ -534,29 +540,11 @@ def main(argv: list[str] | None = None) -> int:
     guard = parse_min_ratio(args.min_ratio) if args.min_ratio else {}
     problems: list[str] = []
 
-    warnings.filterwarnings("ignore")
-    import logging
-
-    logging.disable(logging.WARNING)
-    import sglang_l3.cpu
-
-    sglang_l3.cpu.enable()
-    from sglang_l3.patches import framework
-
-    framework.apply_all([s for s in framework.load_series() if s.group in ("hicache", "storage")])
-    import sglang.srt.mem_cache.pool_host.base as host_base
+    prepare()
     from sglang_l3.patches.hicache.streamed_restore import MAX_INFLIGHT  # the restore's readers
-
-    # Upstream keeps 10 GiB of host RAM free for the serving process; this benchmark
-    # is the only process, and its own budget is --max-gib.
-    host_base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 1 << 30
 
     contexts = [int(x) for x in args.contexts.split(",")]
     models = [m for m in MODELS if m.name in args.models.split(",")]
-    # One intra-op thread: the host->device copy stands in for a DMA, and the other
-    # cores belong to the store's readers (on a 2-core box, 2 OpenMP threads made
-    # the copies ~5x slower in CPU time when the store's threads ran alongside).
-    torch.set_num_threads(1)
 
     budget = f"--max-gib {args.max_gib:.1f} GiB" if args.max_gib else "MemAvailable - 2 GiB, re-read per row"
     print(f"# per-rank sizes, TP={TP}, page {PAGE}; memory budget {budget} (upstream host reserve lowered to 1 GiB)")
@@ -660,6 +648,31 @@ def main(argv: list[str] | None = None) -> int:
     up = "nan" if args.no_upstream else f"{u:.2f}"
     print(f"restore_vs_store={r:.2f} small_buffer_restored={f:.2f} upstream_small_buffer_restored={up}")
     return 1 if guard and problems else 0
+
+
+def prepare() -> None:
+    """What every run of this benchmark (and agent_switch's) sets up first: the CPU
+    switch, the hicache and storage patches, upstream's host reserve lowered to 1 GiB
+    and one intra-op thread; warnings and library logging off."""
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.disable(logging.WARNING)
+    import sglang_l3.cpu
+
+    sglang_l3.cpu.enable()
+    from sglang_l3.patches import framework
+
+    framework.apply_all([s for s in framework.load_series() if s.group in ("hicache", "storage")])
+    import sglang.srt.mem_cache.pool_host.base as host_base
+
+    # Upstream keeps 10 GiB of host RAM free for the serving process; this benchmark
+    # is the only process, and its own budget is --max-gib.
+    host_base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 1 << 30
+    # One intra-op thread: the host->device copy stands in for a DMA, and the other
+    # cores belong to the store's readers (on a 2-core box, 2 OpenMP threads made
+    # the copies ~5x slower in CPU time when the store's threads ran alongside).
+    torch.set_num_threads(1)
 
 
 def parse_min_ratio(text: str) -> dict[str, float]:
