@@ -48,6 +48,16 @@ MIN_HOST_PAGES = 3
 # estimate only; `--prefill-tps` replaces the estimate with a measured speed
 GPU_TFLOPS = {"rx7900xtx": 122.8, "h100": 989.0, "h200": 989.0, "mi300x": 1307.4}
 
+# The agent switch (issue 50): when more agents than the device holds take turns, the
+# one that speaks after another waits for its context to come back from L3 while the
+# last speaker's newest turn is still being written. benchmark/agent_switch.py times
+# that switch against the store's own read of the same pages in one run:
+# switch_vs_store median 1.25 at 131,072 tokens (1.24-1.31 at 32,768), Qwen3.5-27B
+# TP=2 per rank, a quarter-context host buffer, the wait for the other agent's write
+# 36-42 ms included; measured 2026-12-05 on a 2-core CPU box (docs/state-budget.md,
+# "The agent switch"). The plan's measured-like-for-like switch = this x the disk read.
+SWITCH_VS_STORE = 1.25
+
 
 class PlanError(ValueError):
     """A plan that cannot work; the message names the setting to change."""
@@ -127,6 +137,13 @@ class Plan:
     flags: list[str] = field(default_factory=list)
     store_config: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # the agent switch, where more agents than the device holds take turns (else None):
+    # one rank's bytes to bring back, the disk read of them (all ranks sharing the disk),
+    # and that read x the ratio agent_switch.py measured (SWITCH_VS_STORE)
+    switch_read_bytes: int | None = None
+    switch_disk_s: float | None = None
+    switch_s: float | None = None
+    switch_vs_store: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -259,6 +276,8 @@ def make_plan(i: Inputs) -> Plan:
         )
     else:
         recompute, source = None, f"unknown GPU {i.gpu!r}: pass --prefill-tps"
+    # --- the agent switch: an agent that is not on the device speaks after another one
+    switches = i.agents >= 2 and device_contexts < i.agents
 
     flags = [
         f"--tp-size {i.tp}",
@@ -320,4 +339,8 @@ def make_plan(i: Inputs) -> Plan:
         flags=flags,
         store_config=store,
         notes=notes,
+        switch_read_bytes=read if switches else None,
+        switch_disk_s=disk_s if switches else None,
+        switch_s=SWITCH_VS_STORE * disk_s if switches else None,
+        switch_vs_store=SWITCH_VS_STORE if switches else None,
     )

@@ -52,6 +52,17 @@ def text(p: Plan) -> str:
         f"  expected               {p.restore_s:.1f} s (the two overlap: pieces stream)",
         f"  recompute instead      {rc} ({p.recompute_source})",
     ]
+    if p.switch_s is not None and p.switch_disk_s is not None and p.switch_read_bytes is not None:
+        out += [
+            "",
+            f"the agent switch ({p.device_contexts} of {p.agents} contexts on the device: an agent that speaks "
+            "after another one waits for its context from L3)",
+            f"  switch at disk rate    {p.switch_disk_s:.1f} s ({_gib(p.switch_read_bytes)} per rank at "
+            f"{p.disk_read_gbps:g} GB/s, {p.tp} rank(s) sharing the disk: the disk read above)",
+            f"  switch measured        {p.switch_s:.1f} s ({p.switch_disk_s:.1f} s x {p.switch_vs_store:g}: "
+            "benchmark/agent_switch.py's switch against the store's read of the same bytes, 2026-12-05, "
+            "the wait for the other agent's write included)",
+        ]
     if p.notes:
         out += ["", "notes", *(f"  - {n}" for n in p.notes)]
     out += ["", "launch", "  " + launch_command(p).replace("\n", "\n  ")]
