@@ -119,6 +119,33 @@ def test_low_host_memory_start_is_retried(tmp_path: Path, monkeypatch) -> None:
         s.stop()
 
 
+def test_a_taken_scheduler_port_is_retried(tmp_path: Path) -> None:
+    """The TCPStore port upstream checked free at argument parsing and a scheduler binds
+    seconds later, taken meanwhile by a server starting beside it (seen in a suite run,
+    2026-12-05): start again, as for a taken HTTP port; the third failure says so."""
+    marker = tmp_path / "tries"
+    taken = (
+        "torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+        "address. port: 29363, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use"
+    )
+    fake = _fake_launcher(
+        tmp_path,
+        f"echo x >> {marker}; if [ $(wc -l < {marker}) -lt 2 ]; then echo '{taken}'; exit 1; fi; "
+        'echo "The server is fired up and ready to roll!"; sleep 60',
+    )
+    s = Server(ServerConfig(), tmp_path / "server.log", startup_timeout=60, python=fake)
+    try:
+        s.start()
+        assert s.alive() and len(marker.read_text().split()) == 2
+    finally:
+        s.stop()
+    always = _fake_launcher(tmp_path, f"echo '{taken}'; exit 1")
+    s = Server(ServerConfig(), tmp_path / "server2.log", startup_timeout=60, python=always)
+    with pytest.raises(ServerError) as e:
+        s.start()
+    assert str(e.value).startswith("a port the server chose was taken three times"), str(e.value)
+
+
 def test_cpu_seconds_counts_the_process_tree(tmp_path: Path) -> None:
     # The grandchild burns its CPU only once told to, after the first reading: on a busy
     # box a burn that began before c0 is partly inside it. CI read c0 = 0.17 s and, after

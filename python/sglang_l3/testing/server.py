@@ -55,6 +55,10 @@ DEFAULT_MODEL = "tiny-qwen3next"
 TINY_MODEL_DIR = MODELS_DIR / DEFAULT_MODEL
 READY_LINE = "The server is fired up"
 BIND_ERROR = "error while attempting to bind on address"
+# A scheduler's torch.distributed TCPStore could not bind the port the launcher chose
+# (`get_free_port_below_ephemeral`: checked free at argument parsing, bound by the
+# child some seconds later; another server starting beside it can take it meanwhile).
+DIST_BIND_ERROR = "The server socket has failed to listen on any local network address"
 # start-up refusals that a shared machine's free memory explains (patch startup-checks;
 # upstream's own message where the check does not apply)
 LOW_HOST_MEMORY = (
@@ -264,6 +268,12 @@ class _PortTaken(ServerError):
     pass
 
 
+def _dist_port_taken(log: str) -> bool:
+    """A start-up that failed because another process took the port a scheduler's
+    TCPStore was to listen on (retried on other ports, as a taken HTTP port is)."""
+    return DIST_BIND_ERROR in log and "EADDRINUSE" in log
+
+
 class Server:
     """One server process on a free loopback port; a context manager."""
 
@@ -317,8 +327,10 @@ class Server:
         `progress_every` seconds meanwhile (the demo prints a line).
 
         free_port() reserves nothing: the server's own scheduler (gloo, Mooncake's
-        transfer engine) may bind that ephemeral port before the HTTP server does.
-        Then retry on another port.
+        transfer engine) may bind that ephemeral port before the HTTP server does;
+        and the port upstream picks for a scheduler's TCPStore may be taken by a
+        server starting beside it before the scheduler binds it. Then start again
+        (on another HTTP port; upstream picks its ports afresh), three tries in all.
 
         HiCache refuses to start while the machine has less host memory available
         than upstream's fixed 10 GiB reserve (patch startup-checks says so at once);
@@ -333,7 +345,7 @@ class Server:
                 port_tries += 1
                 if port_tries >= 3:
                     raise ServerError(
-                        f"the HTTP port was taken three times; log {self.log_path}:\n{self.log_tail()}"
+                        f"a port the server chose was taken three times; log {self.log_path}:\n{self.log_tail()}"
                     ) from None
                 self.port = free_port()
                 self.base = f"http://127.0.0.1:{self.port}"
@@ -402,6 +414,9 @@ class Server:
                 self._watch.sample()
                 next_sample = time.monotonic() + 2.0
             if self.proc.poll() is not None:
+                if _dist_port_taken(self.log_text()):
+                    self.stop()
+                    raise _PortTaken(self.port)
                 code = self.proc.returncode
                 cause = self._watch.cause(code, self.log_text()) if self._watch else f"exit code {code}"
                 self.stop()
@@ -412,7 +427,7 @@ class Server:
             text = self.log_text()
             if READY_LINE in text:
                 return
-            if BIND_ERROR in text and f"'127.0.0.1', {self.port})" in text:
+            if (BIND_ERROR in text and f"'127.0.0.1', {self.port})" in text) or _dist_port_taken(text):
                 self.stop()
                 raise _PortTaken(self.port)
             time.sleep(0.5)
