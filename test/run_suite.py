@@ -13,6 +13,10 @@ Suites:
 cpu and fast run on two pytest-xdist workers (`--jobs`; 1 = one process, in
 order): a test file that shares servers or state is one group, run in file order
 on one worker (test/conftest.py: xdist_group), and the slowest files start first.
+Each process of a parallel run (the workers and the CPU servers they start) computes
+on one OpenMP thread (OMP_NUM_THREADS=1 unless set): with torch's default of one
+thread per core, two workers' servers ran four or more compute threads on two cores,
+and their spinning threads took turns from each other's work.
 The total time is printed at the end; a run with failures or without any test
 exits non-zero.
 """
@@ -75,6 +79,12 @@ def main() -> int:
         cmd.append("--durations=60")  # the 60 slowest tests, after the summary (where the suite's time goes)
     cmd += args.pytest_args
     env = dict(os.environ)
+    if args.suite in PARALLEL and jobs > 1:
+        # one compute thread per process (see the docstring): measured on the 2-core box,
+        # e2e/test_l3_restore_server.py twice side by side took 184 s and 244 s with it,
+        # 233 s and 294 s without (2026-12-05). A no-cache reference and the server it is
+        # compared with run under the same setting.
+        env.setdefault("OMP_NUM_THREADS", "1")
     if args.without_patches:
         sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
         from sglang_l3.patches.framework import load_series
@@ -83,7 +93,8 @@ def main() -> int:
         infra = {"cpu", "cpu-serving", "tiny-model"}
         env["SGLANG_L3_DISABLE"] = ",".join(s.id for s in load_series() if s.group not in infra)
         print(f"[run_suite] SGLANG_L3_DISABLE={env['SGLANG_L3_DISABLE']}", flush=True)
-    print(f"[run_suite] suite={args.suite}: {' '.join(cmd[3:])}", flush=True)
+    omp = f" OMP_NUM_THREADS={env['OMP_NUM_THREADS']}" if "OMP_NUM_THREADS" in env else ""
+    print(f"[run_suite] suite={args.suite}{omp}: {' '.join(cmd[3:])}", flush=True)
     t0 = time.monotonic()
     rc = subprocess.call(cmd, cwd=os.path.dirname(HERE), env=env)
     took = time.monotonic() - t0
