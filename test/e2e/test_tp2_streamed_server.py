@@ -13,6 +13,11 @@ reference's tokens and logprobs (TP=2 vs TP=2: `--load-format dummy` makes TP=1
 and TP=2 different models). Without `streamed-restore` the same run restores 0
 (the hit is declined: test/integration/test_streamed_restore.py's control).
 
+Issue 50 item 3, on the same servers: a prefix that fits the host buffer but spans more
+than one regular piece (restorable 320 tokens, a ~384-token buffer, 128-token pieces)
+comes back from L3 after `/flush_cache` in rounds too (five 64-token pieces) (patch `stream-fitting-hits`): the no-cache
+answer, and each rank's `l3_stream_restore{fitting}` counts it.
+
 Issue 24 item 5, on the same L3 server: one rank's page past a stored checkpoint is
 damaged between rounds (the prompt is prefilled in 256-token chunks, so L3 holds a
 Mamba checkpoint every 256 tokens). Both ranks restore up to the deepest checkpoint
@@ -41,6 +46,7 @@ from tp2_e2e import (
     generate,
     page_file,
     page_keys,
+    published_counters,
     quarantined,
     same_output,
     wait_for,
@@ -53,6 +59,7 @@ POOL = 4096
 HICACHE_RATIO = 0.09  # host KV pool ~ 0.09 x 4096 = 384 tokens (page-rounded)
 NEW = 16
 IDS = prompt(500, 1800)
+FIT_IDS = prompt(501, 330)  # restorable 320: fits the host buffer, > one piece (stream-fitting-hits)
 VERIFY_FAIL = "TP ranks made different L3 restore decisions"
 
 
@@ -69,7 +76,8 @@ def _config(store: Path | None, model: str) -> ServerConfig:
         # the user's default `timeout` stop policy, with a budget a loaded 2-core box cannot miss
         storage_extra_config={"prefetch_timeout_base": 600} if store else {},
         extra_args=["--hicache-ratio", str(HICACHE_RATIO)] if store else [],
-        env={"SGLANG_L3_VERIFY": "1"},
+        env={"SGLANG_L3_VERIFY": "1"}
+        | ({"SGLANG_L3_PUBLISH_STATS": "1", "SGLANG_L3_STATS_DIR": str(store.parent / "stats")} if store else {}),
         overlap_schedule=store is not None,  # the no-cache reference schedules without overlap
     )
 
@@ -79,6 +87,7 @@ class Run:
     store: Path
     server: Server | None = None
     want: Generation | None = None
+    want_fit: Generation | None = None
     servers: list[Server] = field(default_factory=list)
 
 
@@ -99,6 +108,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, family: str, hash_extension_bu
         r.servers.append(ref)
         with bounded(TEST_BOUND, "reference", lambda: r.servers):
             r.want = generate(ref, IDS, NEW, "reference")
+            r.want_fit = generate(ref, FIT_IDS, NEW, "reference (fitting prefix)")
         r.servers.clear()
     assert len(set(r.want.output_ids)) > 1, "degenerate dummy weights"
     r.server = Server(_config(r.store, family), root / "l3.log", startup_timeout=STARTUP_TIMEOUT).start()
@@ -127,6 +137,40 @@ def test_tp2_context_4x_host_buffer_restores_from_l3(run: Run) -> None:
     log = s.log_text()
     assert VERIFY_FAIL not in log, s.log_tail(80)
     assert "bounce cannot fit in an empty host arena" not in log
+
+
+def test_tp2_prefix_that_fits_the_host_buffer_streams_too(run: Run) -> None:
+    from sglang_l3.patches.hicache.streamed_restore import DEFAULT_PIECE_FRACTION
+
+    s = run.server
+    m = re.search(r"HiCache kv host pool \((\d+) tokens\)", s.log_text())
+    assert m, "host pool size not logged"
+    host = int(m.group(1))
+    piece = int(host * DEFAULT_PIECE_FRACTION) // PAGE_SIZE * PAGE_SIZE
+    hit = restorable(len(FIT_IDS))
+    assert piece < hit <= host, f"the prefix ({hit}) must fit the host buffer ({host}) and exceed a piece ({piece})"
+    stats = run.store.parent / "stats"
+    with bounded(TEST_BOUND, "fitting prefix at TP=2", lambda: run.servers):
+        cold = generate(s, FIT_IDS, NEW, "cold (fitting prefix)")
+        assert cold.cached_tokens == 0, cold.meta
+        same_output(cold, run.want_fit, "cold fitting prefix vs no-cache TP=2")
+        flush(s, "flush after the cold fitting run")
+        before = published_counters(stats)
+        warm = generate(s, FIT_IDS, NEW, "fitting prefix after flush")
+        assert warm.cached_device == 0 and warm.cached_host == 0, warm.meta
+        assert warm.cached_storage == hit, (warm.meta, hit)
+        same_output(
+            warm, run.want_fit, f"{len(FIT_IDS)}-token prompt from L3, {hit} tokens through a {host}-token buffer"
+        )
+
+        def grown(label: str) -> float:
+            key = f"l3_stream_restore{{{label}}}"
+            return published_counters(stats).get(key, 0) - before.get(key, 0)
+
+        # each rank streams it (one stream per rank), then admits it
+        wait_for(lambda: all(grown(k) >= TP for k in ("started", "fitting", "restored")), 60, "the fitting streams")
+    assert all(grown(k) == TP for k in ("started", "fitting", "restored")), published_counters(stats)
+    assert VERIFY_FAIL not in s.log_text(), s.log_tail(80)
 
 
 LAST = restorable(len(IDS)) // PAGE_SIZE  # pages of the deepest checkpoint (1792 tokens)

@@ -52,6 +52,7 @@ SIM_FILES = {
     "test_sessions_stack.py",
     "test_stale_cow.py",
     "test_store_restore.py",
+    "test_stream_fitting_hits.py",
     "test_streamed_restore.py",
     "test_streamed_restore_async.py",
     "test_streamed_restore_burst.py",

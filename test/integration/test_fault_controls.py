@@ -19,8 +19,7 @@ from pathlib import Path
 
 from sglang_l3 import faults, metrics
 from sglang_l3.patches.hicache.streamed_restore import lane_of
-from streamed_support import back_to_baseline
-from test_streamed_restore import context, make_spec, pump, reader, write
+from streamed_support import back_to_baseline, context, make_spec, pump, reader, write
 
 HERE = Path(__file__).resolve().parent
 FENCE_TEST = "test_streamed_restore_async.py::test_a_forward_in_flight_lands_before_the_piece_copy"

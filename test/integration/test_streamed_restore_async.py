@@ -20,8 +20,7 @@ import pytest
 import sglang_l3.patches.hicache.streamed_restore as sr
 from sglang_l3.patches.hicache.streamed_restore import lane_of
 from sglang_l3.sim import streams as sim_streams
-from streamed_support import back_to_baseline
-from test_streamed_restore import context, make_spec, pump, reader, write
+from streamed_support import back_to_baseline, context, make_spec, pump, reader, write
 
 pytestmark = pytest.mark.all_seeds()
 

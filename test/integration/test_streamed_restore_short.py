@@ -34,8 +34,8 @@ ARGS = {"hicache_ratio": 0.25}
 
 
 def _all_or_nothing(orig):
-    def fit(pipe, op, hit_tokens):
-        got = orig(pipe, op, hit_tokens)
+    def fit(pipe, op, hit_tokens, **kw):
+        got = orig(pipe, op, hit_tokens, **kw)
         return got if got == hit_tokens else 0
 
     return fit

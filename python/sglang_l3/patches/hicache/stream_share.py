@@ -27,6 +27,9 @@ start until its request is admitted. Two things went wrong with that in a burst:
   A stream in its final round is left alone (upstream's read of the last piece is in
   flight); it is staged a few ticks later and yields then.
 
+A hit that fits the host buffer is a stream's too when patch `stream-fitting-hits`
+takes it (`stream_fitting_hits.takes`), and waits for an owner alike.
+
 Both decisions read only rank-identical state (the lane's streams, the parked hit,
 the admission result) at lockstep points, so every TP rank makes them alike.
 """
@@ -38,6 +41,7 @@ from typing import Any
 
 from sglang_l3 import metrics
 from sglang_l3.patches.framework import PatchContext
+from sglang_l3.patches.hicache import stream_fitting_hits
 from sglang_l3.patches.hicache.streamed_restore import Stream, abort_stream, lane_of
 
 logger = logging.getLogger("sglang_l3.stream_share")
@@ -120,10 +124,12 @@ def apply(ctx: PatchContext) -> None:
     def allocate(orig: Any, self: Any, op: Any, info: Any, hit_tokens: int, aux_hit_tokens: int) -> bool:
         lane = lane_of(self)
         waits = _waits(self)
-        if op.handle not in lane.streams and not self._cache.cache_controller.can_fit_prefetch_host_buffers(
-            op, hit_tokens
+        if op.handle not in lane.streams and (
+            not self._cache.cache_controller.can_fit_prefetch_host_buffers(op, hit_tokens)
+            or stream_fitting_hits.takes(self, op, hit_tokens)
         ):
-            # This hit would start a stream (rows now, published at admission).
+            # This hit would start a stream (rows now, published at admission): larger
+            # than the host buffer, or one patch stream-fitting-hits streams.
             owner = owner_of(self, op)
             if owner is not None:
                 if waits.get(op.handle) != owner.handle.rid:
