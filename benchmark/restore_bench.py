@@ -520,6 +520,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="skip rows needing more memory (default: MemAvailable - 2 GiB, re-read before each row)",
     )
+    ap.add_argument(
+        "--buffers",
+        default=",".join(b for b, _ in BUFFERS),
+        help="comma-separated host buffers to run (of 1/16, 1/4, 1.2; default: all)",
+    )
     ap.add_argument("--dir", default=None, help="store directory (default: a temp dir, removed)")
     ap.add_argument("--repeat", type=int, default=3, help="(store read, restore) pairs per row; medians are printed")
     ap.add_argument("--no-upstream", action="store_true", help="skip upstream's row (the upstream column prints -)")
@@ -538,6 +543,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     guard = parse_min_ratio(args.min_ratio) if args.min_ratio else {}
+    buffers = [(b, f) for b, f in BUFFERS if b in args.buffers.split(",")]
+    if not buffers or len(buffers) != len(set(args.buffers.split(","))):
+        ap.error(f"--buffers: choose from {', '.join(b for b, _ in BUFFERS)}")
+    if set(guard) - {b for b, _ in buffers}:
+        ap.error("--min-ratio names a buffer --buffers leaves out")
     problems: list[str] = []
 
     prepare()
@@ -571,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
                 # what a whole restore reads: every KV page and the last page's state
                 read_bytes = len(keys) * PAGE * m.kv_bytes_per_token() + m.state_bytes()
                 files, depth = page_paths(m, keys, store)
-                for label, frac in BUFFERS:
+                for label, frac in buffers:
                     buf = max(PAGE, int(frac * context) // PAGE * PAGE)
                     need = row_gib(m, context, buf)
                     if not fits(need, args.max_gib):
