@@ -107,9 +107,10 @@ MAX_INFLIGHT = 2  # pieces per stream: read piece i+1 while piece i is copied
 READ_BATCH_PAGES = 128  # pages per store call (upstream's STORAGE_BATCH_SIZE)
 # A hit that fits the host buffer streams in pieces of 1/8 of it (the prototype's), at
 # most a regular piece (start_stream(fitting=True); 0: regular pieces, three rounds at a
-# 1.2x buffer, whose two reads run side by side with little copy left to overlap them:
-# slower than upstream's staged path in 4 of 5 paired 8K smoke runs on a busy box; 1/8
-# pieces: faster in 3 of 6, within that box's noise at 8K; issue 50 item 3).
+# 1.2x buffer, whose two reads run side by side with little copy left to overlap them).
+# restore_bench's 1.2 row, quiet box, 2026-12-05 (docs/state-budget.md): restore/store
+# 0.70 on upstream's staged path, 0.84 with 1/8 pieces, 0.68 with regular ones at 32K;
+# 0.71 -> 0.88 at 131K (issue 50 item 3).
 FITTING_ROUNDS = 8
 
 
