@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -93,3 +95,17 @@ def reference_scenario(fn: Callable[[Any], object] | None = None, *, families: t
         return f
 
     return register if fn is None else register(fn)
+
+
+def published_counters(stats: Path) -> dict[str, float]:
+    """The counters the server's processes published (SGLANG_L3_PUBLISH_STATS=1 into
+    SGLANG_L3_STATS_DIR=`stats`), summed over them (both TP ranks count a restore)."""
+    out: dict[str, float] = {}
+    for f in stats.glob("*.json"):
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue  # being replaced
+        for k, v in data.get("counters", {}).items():
+            out[k] = out.get(k, 0) + v
+    return out

@@ -34,7 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from l3_e2e import CHUNKED_PREFILL, PAGE_SIZE, PREFETCH_THRESHOLD, STARTUP_TIMEOUT, family_params, restorable
+from l3_e2e import (
+    CHUNKED_PREFILL,
+    PAGE_SIZE,
+    PREFETCH_THRESHOLD,
+    STARTUP_TIMEOUT,
+    family_params,
+    published_counters,
+    restorable,
+)
 from sglang_l3.testing.server import Generation, Server, ServerConfig, prompt
 from tp2_e2e import (
     DEVICE,
@@ -46,7 +54,6 @@ from tp2_e2e import (
     generate,
     page_file,
     page_keys,
-    published_counters,
     quarantined,
     same_output,
     wait_for,

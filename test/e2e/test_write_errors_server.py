@@ -14,33 +14,27 @@ counters and the store's files.)
 
 from __future__ import annotations
 
-import json
 import resource
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from l3_e2e import CHUNKED_PREFILL, NEW_TOKENS, PAGE_SIZE, PREFETCH_THRESHOLD, STARTUP_TIMEOUT, assert_same_output
+from l3_e2e import (
+    CHUNKED_PREFILL,
+    NEW_TOKENS,
+    PAGE_SIZE,
+    PREFETCH_THRESHOLD,
+    STARTUP_TIMEOUT,
+    assert_same_output,
+    published_counters,
+)
 from sglang_l3.storage.format import parse_page_name
 from sglang_l3.testing.server import Server, ServerConfig, prompt
 
 pytestmark = pytest.mark.e2e
 
 LIMIT = 10240  # bytes (RLIMIT_FSIZE): the issue's figure, below one page file
-
-
-def counters(stats: Path) -> dict[str, float]:
-    """The server processes' published counters (SGLANG_L3_STATS_DIR), summed."""
-    out: dict[str, float] = {}
-    for f in stats.glob("*.json"):
-        try:
-            data = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue  # being replaced
-        for k, v in data.get("counters", {}).items():
-            out[k] = out.get(k, 0) + v
-    return out
 
 
 def kv_prefix_pages(store: Path, ids: list[int]) -> int:
@@ -106,7 +100,7 @@ def test_failed_page_writes_land_after_the_fault_without_a_flush(tmp_path, hash_
             a = s.generate(a_ids, NEW_TOKENS)
             assert len(a.output_ids) == NEW_TOKENS
             c = until(
-                lambda: counters(stats),
+                lambda: published_counters(stats),
                 lambda c: c.get("store_write_errors", 0) >= a_pages,
                 "A's page writes attempted and counted under the fault",
             )
@@ -117,7 +111,7 @@ def test_failed_page_writes_land_after_the_fault_without_a_flush(tmp_path, hash_
         # the fault is over; no request, no flush: A's pages reach L3 by themselves
         until(lambda: kv_prefix_pages(store, a_ids), lambda n: n == a_pages, "A's KV pages in L3 after the fault")
         c = until(
-            lambda: counters(stats),
+            lambda: published_counters(stats),
             lambda c: c.get("store_write_retried_ok", 0) >= a_pages,
             "A's pages written by the store's retry",
         )

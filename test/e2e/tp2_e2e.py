@@ -11,7 +11,6 @@ stretched by the machine's measured slowdown (sglang_l3.testing.speed).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -170,17 +169,3 @@ def wait_for(cond: Callable[[], bool], seconds: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {seconds:.0f} s")
         time.sleep(0.5)
-
-
-def published_counters(stats: Path) -> dict[str, float]:
-    """The counters the server's processes published (SGLANG_L3_PUBLISH_STATS=1 into
-    SGLANG_L3_STATS_DIR=`stats`), summed over them (both TP ranks count a restore)."""
-    out: dict[str, float] = {}
-    for f in stats.glob("*.json"):
-        try:
-            data = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue  # being replaced
-        for k, v in data.get("counters", {}).items():
-            out[k] = out.get(k, 0) + v
-    return out

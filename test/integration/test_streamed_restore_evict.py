@@ -25,7 +25,7 @@ import pytest
 from sglang_l3 import metrics
 from sglang_l3.patches.hicache.streamed_restore import lane_of
 from sglang_l3.testing.stack import TREE_CORES, HybridSpec, L3Stack
-from streamed_support import back_to_baseline
+from streamed_support import back_to_baseline, pump
 
 PAGE = 64
 BUFFER = 256
@@ -43,14 +43,6 @@ def stack(tmp_path, core: str) -> L3Stack:
     cc = st.cache.cache_controller
     cc.prefetch_capacity_limit = int(0.9 * cc.mem_pool_host.size)
     return st
-
-
-def pump(st: L3Stack, cond, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        st.cache.check_hicache_events()
-        time.sleep(0.002)
 
 
 def pressure(st: L3Stack) -> None:
