@@ -10,6 +10,8 @@ protection cases fail (the hint evicts B)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from sglang_l3.patches.sessions.sessions import registry_of
 from sglang_l3.sessions.hints import DEFERRED_DEVICE_FULL, hint_rid
@@ -173,6 +175,13 @@ def test_a_hint_whose_context_is_not_in_l3_is_dropped_not_computed(tmp_path, cor
         assert st.match(A + [7] + fresh).device_prefix_len < len(A), "it computed (or restored) anyway"
         from sglang_l3.testing import idle_check
 
+        # A's hit fits host staging and was streamed (patch stream-fitting-hits): its rows go
+        # back once its piece copies completed, at a tick (on the simulated device, later);
+        # until then the pipeline is not idle, so upstream's idle check does not run
+        deadline = time.monotonic() + 60
+        while not st.cache.buffer_pipeline.is_idle() and time.monotonic() < deadline:
+            st.cache.check_hicache_events()
+            time.sleep(0.002)
         assert not idle_check.pool_leaks(st), "the dropped hint holds rows or slots"
 
         h.serve(_hint_a(h))  # A alone is restorable: it lands

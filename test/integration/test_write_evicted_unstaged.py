@@ -115,7 +115,11 @@ def _refused_for_rows(r: L3Stack, pipe, h) -> None:
     pipe.defer_staged_admission(req, "full")
 
 
-def test_the_guard_holds_while_a_staged_restore_only_waits_its_turn(tmp_path) -> None:
+# upstream's staged path (a restore holding host staging until admission): a hit that fits
+# the host is streamed by patch stream-fitting-hits when the device takes it whole, and keeps
+# this path when it cannot (a busy device), under best_effort, or within one piece
+@pytest.mark.parametrize("without", ["stream-fitting-hits"], indirect=True)
+def test_the_guard_holds_while_a_staged_restore_only_waits_its_turn(tmp_path, without) -> None:
     """Issue 49: a staged restore that waits for admission without being refused rows
     (behind --max-running-requests 1, a running prefill) never opens the valve, however
     many flushes pass (upstream flushes on every tick): the queued write keeps its node
@@ -140,7 +144,11 @@ def test_the_guard_holds_while_a_staged_restore_only_waits_its_turn(tmp_path) ->
     assert _restorable(tmp_path, "rust") == len(SEQ), "the guarded write must reach the store whole"
 
 
-def test_the_guard_gives_way_to_a_staged_restore_that_holds_host_staging(tmp_path) -> None:
+# upstream's staged path (a restore holding host staging until admission): a hit that fits
+# the host is streamed by patch stream-fitting-hits when the device takes it whole, and keeps
+# this path when it cannot (a busy device), under best_effort, or within one piece
+@pytest.mark.parametrize("without", ["stream-fitting-hits"], indirect=True)
+def test_the_guard_gives_way_to_a_staged_restore_that_holds_host_staging(tmp_path, without) -> None:
     """The valve: a staged restore holds the host staging a guarded write needs, and at
     admission it is refused for device capacity (it may need the guarded rows). After
     `VALVE_FLUSHES` flushes without progress the guards are released (counted), the
