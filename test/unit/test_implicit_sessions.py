@@ -106,12 +106,69 @@ def test_two_agents_with_one_long_system_prompt_and_short_first_messages_are_two
 
 def test_an_identical_first_call_is_another_agent_not_a_continuation():
     """Two agents whose first calls are the same tokens ("fix the failing test" after one
-    system prompt): the second extends nothing, so it starts its own session."""
+    system prompt): the second extends nothing, so it starts its own session; their
+    second calls (the template re-renders the input's end, so both extend only the input's
+    end point) go one to each session, not both to the one that reached it last."""
     t = ImplicitSessions()
     first = SYSTEM + _toks(30, 6) + GEN
     a = _Turn(t, first, _toks(31, 20))
     b = _Turn(t, list(first), _toks(32, 20))
     assert not b.continued and b.sid != a.sid
+    a2 = _Turn(t, a.ids[:-1] + RERENDERED + a.out + _toks(33, 50) + GEN, _toks(34, 20))
+    b2 = _Turn(t, b.ids[:-1] + RERENDERED + b.out + _toks(35, 50) + GEN, _toks(36, 20))
+    assert (a2.continued, b2.continued) == (True, True) and {a2.sid, b2.sid} == {a.sid, b.sid}
+
+
+def _compacted(first: _Turn, summary: list[int]) -> list[int]:
+    """Hermes after a compaction (measured, hermes-agent 0.19.0): the system prompt and
+    the first message as before, then the summary instead of the middle of the history."""
+    return first.ids[:-1] + RERENDERED + summary + GEN
+
+
+def test_a_compacted_history_continues_its_session_and_not_the_other_agents():
+    """Issue 49 item 7: after a compaction the agent's next prompt extends no end point
+    of its latest turn, only its first turn's input (its root): the session continues
+    (the table then demotes the old tail), and the other agent, whose prompt shares the
+    system prompt, keeps its own."""
+    t = ImplicitSessions()
+    a1 = _Turn(t, SYSTEM + _toks(2, 9) + GEN, _toks(3, 20))
+    b1 = _Turn(t, SYSTEM + _toks(4, 9) + GEN, _toks(5, 20))
+    a2 = _Turn(t, a1.ids[:-1] + RERENDERED + a1.out + _toks(6, 300) + GEN, _toks(7, 20))
+    b2 = _Turn(t, b1.ids[:-1] + RERENDERED + b1.out + _toks(8, 300) + GEN, _toks(9, 20))
+    assert (a2.sid, b2.sid) == (a1.sid, b1.sid) and a1.sid != b1.sid
+    before = l3_metrics.get("implicit_sessions", "rewritten")
+    summary_a = _compacted(a1, _toks(10, 80))
+    assert t.match(summary_a) is None, "a compacted prompt extends no latest end point"
+    a3 = _Turn(t, summary_a, _toks(11, 20))
+    assert a3.continued and a3.sid == a1.sid
+    b3 = _Turn(t, _compacted(b1, _toks(12, 80)), _toks(13, 20))
+    assert b3.continued and b3.sid == b1.sid
+    assert l3_metrics.get("implicit_sessions", "rewritten") - before == 2
+    # the next call after the compaction extends its latest end point as usual, and a
+    # second compaction continues from the same root
+    a4 = _Turn(t, a3.ids[:-1] + RERENDERED + a3.out + _toks(14, 30) + GEN, _toks(15, 20))
+    a5 = _Turn(t, _compacted(a1, _toks(16, 90)), _toks(17, 20))
+    assert a4.sid == a5.sid == a1.sid and len(t) == 2 and t.roots() == 2
+    # a prompt that diverges inside the first message continues nothing
+    assert t.match_root(SYSTEM + _toks(2, 5) + _toks(18, 40) + GEN) is None
+
+
+def test_agents_with_identical_first_calls_do_not_continue_from_their_root():
+    """Two agents whose first calls are the same tokens share a root: a compaction of
+    either cannot tell whose it is, so it starts a new session (nothing merged); once
+    the other is forgotten, the root is one session's again."""
+    t = ImplicitSessions()
+    first = SYSTEM + _toks(30, 6) + GEN
+    a = _Turn(t, first, _toks(31, 20))
+    b = _Turn(t, list(first), _toks(32, 20))
+    a2 = _Turn(t, a.ids[:-1] + RERENDERED + a.out + _toks(33, 200) + GEN, _toks(34, 20))
+    b2 = _Turn(t, b.ids[:-1] + RERENDERED + b.out + _toks(39, 200) + GEN, _toks(40, 20))
+    assert a2.sid == a.sid != b.sid == b2.sid, "each agent's second call continues its own session"
+    c = _Turn(t, _compacted(a, _toks(35, 60)), _toks(36, 20))
+    assert not c.continued and c.sid not in (a.sid, b.sid)
+    t.forget(b.sid)
+    d = _Turn(t, _compacted(a, _toks(37, 60)), _toks(38, 20))
+    assert d.continued and d.sid == a.sid
 
 
 def test_prefix_digests_are_one_pass_and_namespaced():
@@ -149,7 +206,7 @@ def test_the_tracker_stays_bounded_over_10000_one_off_requests():
     for i in range(10_000):
         one = _Turn(t, _toks(100 + i, 2 * PAGE + 3), [1, 2, 3])
         assert not one.continued
-    assert len(t) <= MAX_SESSIONS and t.ends() <= 2 * MAX_SESSIONS
+    assert len(t) <= MAX_SESSIONS and t.ends() <= 2 * MAX_SESSIONS and t.roots() <= MAX_SESSIONS
     a3 = _Turn(t, a2.ids + a2.out + _toks(6, 30), _toks(7, 20))
     assert a3.continued and a3.sid == a1.sid, "a conversation outlives one-off prompts"
 
@@ -160,7 +217,14 @@ def test_the_tracker_reloads_implicit_sessions_from_the_table():
     full = page_keys(a1.ids + a1.out, PAGE)
     ends = [list(e) for e in turn_end_points(a1.ids, a1.ids + a1.out, None, None)]
     rec = table.SessionRecord(
-        a1.sid, full, len(a1.ids) + 20, implicit=True, turns=1, input_pages=end_pages(len(a1.ids), PAGE), ends=ends
+        a1.sid,
+        full,
+        len(a1.ids) + 20,
+        implicit=True,
+        turns=1,
+        input_pages=end_pages(len(a1.ids), PAGE),
+        ends=ends,
+        root=ends[0],
     )
     # through the table's encoding, as a restart reads it
     rec = table.decode(table.encode("m" * 16, [rec]), None)[1][0]
@@ -171,6 +235,8 @@ def test_the_tracker_reloads_implicit_sessions_from_the_table():
     again = _Turn(t2, a1.ids + _toks(4, 50), _toks(5, 20))  # diverges after the input
     assert again.continued and again.sid == a1.sid
     assert t2.match(_toks(9, 64) + _toks(10, 20)) is None  # explicit sessions are not matched
+    # the root came back too: a rewritten history continues after the restart
+    assert t2.match_root(a1.ids[:-INPUT_TAIL] + _toks(11, 30)) == (a1.sid, len(a1.ids) - INPUT_TAIL)
 
 
 def test_the_table_refuses_malformed_end_points():
@@ -180,6 +246,21 @@ def test_the_table_refuses_malformed_end_points():
         rec = table.SessionRecord(_implicit(8), [], 9, implicit=True, ends=bad)
         with pytest.raises(table.TableError, match="malformed"):
             table.decode(table.encode("m" * 16, [rec]), None)
+    for bad_root in ([5], [[5, "0" * 32]], [0, "0" * 32], "x"):
+        rec = table.SessionRecord(_implicit(8), [], 9, implicit=True, ends=[[5, "0" * 32]], root=bad_root)
+        with pytest.raises(table.TableError, match="malformed"):
+            table.decode(table.encode("m" * 16, [rec]), None)
+    good.root = [5, "0" * 32]
+    assert table.decode(table.encode("m" * 16, [good]), None)[1][0].root == [5, "0" * 32]
+
+
+def test_the_registry_keeps_a_sessions_first_root():
+    reg = SessionRetention(None, "m" * 16, writer=False)
+    sid = _implicit(3)
+    reg.on_turn(sid, keys(2, "r"), 8, finished=False)
+    reg.on_turn(sid, keys(2, "r"), 9, root=[7, "1" * 32])
+    reg.on_turn(sid, keys(3, "r"), 12, root=[11, "2" * 32])
+    assert reg.get(sid).root == [7, "1" * 32]
 
 
 # ------------------------------------------------------------ the registry

@@ -16,6 +16,14 @@ a request without a session id
   point wins. (The input's last tokens are the chat template's generation
   prompt, which the next call renders differently: Qwen3.5's `<think>\n` comes
   back as `<think>\n\n</think>`, whose first newline is another token);
+- else continues session S when it extends S's *root*, the end point of S's
+  first turn's input, and no other session has that root: the client rewrote its
+  history but kept how it began. Hermes compacts so: its summary replaces the
+  middle, and the system prompt and first message stay (measured with
+  hermes-agent 0.19.0). The session table then sees the new turn diverge inside
+  the old chain's input and demotes the old tail (storage.retention). Two agents
+  whose first calls are the same tokens share a root, and neither continues from
+  it: a compaction of either starts a new session;
 - otherwise starts a new session with a fresh id (`implicit-<32 hex>`).
 
 End points are token-exact, not page-aligned (issue 49): two agents that send
@@ -27,10 +35,10 @@ a digest at every end point length in use), whatever the page size.
 The id then travels to every TP rank as an explicit top-level `session_id`
 does, so retention, the session table and hints by session work unchanged.
 
-Bounded: at most MAX_SESSIONS sessions are tracked, two end points each (a
-length and a 16-byte digest); the least recently used one-turn session (a
+Bounded: at most MAX_SESSIONS sessions are tracked, two end points and a root
+each (a length and a 16-byte digest); the least recently used one-turn session (a
 one-off prompt) is forgotten first. After a restart the end points come back
-from the store's session tables (`load`: a record's `ends`), so a conversation
+from the store's session tables (`load`: a record's `ends` and `root`), so a conversation
 continues under its id; a table written before end points were recorded
 continues none (its sessions keep their retention).
 """
@@ -42,7 +50,7 @@ import uuid
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sglang_l3 import metrics
@@ -127,6 +135,7 @@ def page_keys(ids: Iterable[int], page_size: int, extra_key: Any = None, cache_s
 class _Session:
     ends: tuple[EndPoint, ...] = ()  # end points of the latest turn
     turns: int = 0
+    root: EndPoint | None = None  # the first turn's input end point
 
 
 class ImplicitSessions:
@@ -135,8 +144,10 @@ class ImplicitSessions:
     def __init__(self, max_sessions: int = MAX_SESSIONS):
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
-        self._by_end: dict[EndPoint, str] = {}
-        self._lengths: Counter[int] = Counter()  # end point lengths in use (what a match hashes)
+        # end point -> sessions whose latest turn has it, the earliest to reach it first
+        self._by_end: dict[EndPoint, list[str]] = {}
+        self._by_root: dict[EndPoint, list[str]] = {}  # root -> sessions (continued from only when one)
+        self._lengths: Counter[int] = Counter()  # end point and root lengths in use (what a match hashes)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -146,27 +157,49 @@ class ImplicitSessions:
 
     def match(self, ids: Sequence[int], extra_key: Any = None, cache_salt: Any = None) -> tuple[str, int] | None:
         """(session, tokens) of the longest end point that `ids` extends by more than INPUT_TAIL."""
+        return self._match(self._digests(ids, extra_key, cache_salt))
+
+    def match_root(self, ids: Sequence[int], extra_key: Any = None, cache_salt: Any = None) -> tuple[str, int] | None:
+        """(session, tokens) of the longest root that `ids` extends by more than
+        INPUT_TAIL and that one session alone has."""
+        return self._match_root(self._digests(ids, extra_key, cache_salt))
+
+    def _digests(self, ids: Sequence[int], extra_key: Any, cache_salt: Any) -> dict[int, str]:
         limit = len(ids) - INPUT_TAIL
-        digests = prefix_digests(ids, (n for n in self._lengths if n < limit), extra_key, cache_salt)
+        return prefix_digests(ids, (n for n in self._lengths if n < limit), extra_key, cache_salt)
+
+    def _match(self, digests: dict[int, str]) -> tuple[str, int] | None:
         for n in sorted(digests, reverse=True):
-            sid = self._by_end.get((n, digests[n]))
-            if sid is not None:
-                return sid, n
+            sids = self._by_end.get((n, digests[n]))
+            if sids:
+                return sids[0], n
+        return None
+
+    def _match_root(self, digests: dict[int, str]) -> tuple[str, int] | None:
+        for n in sorted(digests, reverse=True):
+            sids = self._by_root.get((n, digests[n]))
+            if sids is not None and len(sids) == 1:
+                return sids[0], n
         return None
 
     def decide(self, ids: Sequence[int], extra_key: Any = None, cache_salt: Any = None) -> tuple[str, bool]:
         """(session id, continued) for a request of tokens `ids`; records the request's
-        input end point as its session's latest turn."""
-        hit = self.match(ids, extra_key, cache_salt)
+        input end point as its session's latest turn (and, for a new session, its root)."""
+        digests = self._digests(ids, extra_key, cache_salt)
+        hit, how = self._match(digests), "continued"
         if hit is None:
-            sid, continued = new_id(), False
-            metrics.inc("implicit_sessions", "started")
+            hit, how = self._match_root(digests), "rewritten"
+        if hit is None:
+            sid, continued, how = new_id(), False, "started"
         else:
             sid, continued = hit[0], True
-            metrics.inc("implicit_sessions", "continued")
+        metrics.inc("implicit_sessions", how)
+        mine = end_points(ids, (end_tokens(len(ids)),), extra_key, cache_salt)
         s = self._sessions.pop(sid, None) or _Session()
         s.turns += 1
-        self._set_ends(sid, s, end_points(ids, (end_tokens(len(ids)),), extra_key, cache_salt))
+        if s.root is None and mine:
+            self._set_root(sid, s, mine[0])
+        self._set_ends(sid, s, mine)
         return sid, continued
 
     def finished(self, sid: str, ends: list[EndPoint]) -> None:
@@ -183,7 +216,10 @@ class ImplicitSessions:
         for r in sorted(records, key=lambda r: r.last_use):
             if not r.implicit or not r.ends or r.id in self._sessions:
                 continue
-            self._set_ends(r.id, _Session(turns=r.turns), [(int(t), str(d)) for t, d in r.ends])
+            s = _Session(turns=r.turns)
+            if r.root:
+                self._set_root(r.id, s, (int(r.root[0]), str(r.root[1])))
+            self._set_ends(r.id, s, [(int(t), str(d)) for t, d in r.ends])
             n += 1
         return n
 
@@ -191,29 +227,57 @@ class ImplicitSessions:
         s = self._sessions.pop(sid, None)
         if s is not None:
             self._drop_ends(sid, s)
+            self._drop_root(sid, s)
+
+    def roots(self) -> int:
+        return len(self._by_root)
 
     # ------------------------------------------------------------ internal
+    def _set_root(self, sid: str, s: _Session, root: EndPoint) -> None:
+        s.root = root
+        self._by_root.setdefault(root, []).append(sid)
+        self._lengths[root[0]] += 1
+
+    def _drop_root(self, sid: str, s: _Session) -> None:
+        if s.root is None:
+            return
+        sids = self._by_root.get(s.root, [])
+        if sid in sids:
+            sids.remove(sid)
+            if not sids:
+                del self._by_root[s.root]
+        self._uncount(s.root[0])
+        s.root = None
+
     def _drop_ends(self, sid: str, s: _Session) -> None:
         for k in s.ends:
-            if self._by_end.get(k) == sid:
-                del self._by_end[k]
-                self._lengths[k[0]] -= 1
-                if not self._lengths[k[0]]:
-                    del self._lengths[k[0]]
+            sids = self._by_end.get(k, [])
+            if sid in sids:
+                sids.remove(sid)
+                if not sids:
+                    del self._by_end[k]
+                self._uncount(k[0])
+
+    def _uncount(self, n: int) -> None:
+        self._lengths[n] -= 1
+        if not self._lengths[n]:
+            del self._lengths[n]
 
     def _set_ends(self, sid: str, s: _Session, ends: list[EndPoint]) -> None:
-        self._drop_ends(sid, s)
-        s.ends = tuple(dict.fromkeys(ends))
-        for k in s.ends:
-            other = self._by_end.get(k)
-            if other is not None and other != sid:
-                # the same context reached again by another session: the latest owns it
-                o = self._sessions.get(other)
-                if o is not None:
-                    o.ends = tuple(e for e in o.ends if e != k)
-            else:
-                self._lengths[k[0]] += 1
-            self._by_end[k] = sid
+        new = tuple(dict.fromkeys(ends))
+        kept = set(new)
+        self._drop_ends(sid, replace(s, ends=tuple(k for k in s.ends if k not in kept)))
+        had = set(s.ends)
+        s.ends = new
+        for k in new:
+            if k in had:
+                continue  # keeps its place among the sessions that reached it
+            # Another session may have reached the same end point (two agents whose first
+            # calls are the same tokens): each keeps it, and a continuation goes to the
+            # earliest, whose own turn then replaces it, so the next goes to the other.
+            # Their histories are the same tokens up to it, so neither is merged.
+            self._by_end.setdefault(k, []).append(sid)
+            self._lengths[k[0]] += 1
         self._sessions[sid] = s
         self._sessions.move_to_end(sid)
         while len(self._sessions) > self.max_sessions:

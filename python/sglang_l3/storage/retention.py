@@ -158,6 +158,7 @@ class SessionRetention:
         finished: bool = True,
         input_pages: int | None = None,
         ends: list[list[Any]] | None = None,
+        root: list[Any] | None = None,
     ) -> bool:
         """A request of session sid finished (or, finished=False, was queued:
         its input's chain is protected while it runs): keys is the chain,
@@ -178,6 +179,8 @@ class SessionRetention:
             rec.tool_calls = old.tool_calls if old else 0
             # a queued turn keeps the last finished turn's end points until it finishes
             rec.ends = [list(e) for e in ends] if ends is not None else (list(old.ends) if old else [])
+            # the first root recorded stays (the tokenizer manager keeps its first turn's)
+            rec.root = list(old.root) if old is not None and old.root else list(root or [])
             stale = [] if old is None else self._stale_tail(old, keys)
             self._put(rec)
             for k in stale:

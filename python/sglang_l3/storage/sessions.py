@@ -55,6 +55,9 @@ class SessionRecord:
     # the latest turn's end points, [tokens, hex digest] (sglang_l3.sessions.implicit): how an
     # implicit session is continued after a restart
     ends: list[list[Any]] = field(default_factory=list)
+    # the first turn's input end point, [tokens, hex digest] ([]: none recorded): a turn that
+    # rewrote the history but kept its start (a client's compaction) continues from it
+    root: list[Any] = field(default_factory=list)
 
     def one_off(self) -> bool:
         """An implicit session with one turn and no tool call so far: a stray
@@ -62,7 +65,7 @@ class SessionRecord:
         return self.implicit and self.turns < 2 and self.tool_calls == 0
 
     def copy(self) -> SessionRecord:
-        return replace(self, keys=list(self.keys), ends=[list(e) for e in self.ends])
+        return replace(self, keys=list(self.keys), ends=[list(e) for e in self.ends], root=list(self.root))
 
 
 def is_implicit_id(sid: object) -> bool:
@@ -142,7 +145,7 @@ def _record(d: object) -> SessionRecord:
     # fields added after version 1 was written: optional, with their defaults
     implicit, turns, input_pages = d.get("implicit", False), d.get("turns", 0), d.get("input_pages", 0)
     tool_calls = d.get("tool_calls", 0)
-    ends = d.get("ends", [])
+    ends, root = d.get("ends", []), d.get("root", [])
     if not (
         isinstance(implicit, bool)
         and isinstance(turns, int)
@@ -152,6 +155,7 @@ def _record(d: object) -> SessionRecord:
         and isinstance(tool_calls, int)
         and tool_calls >= 0
         and _valid_ends(ends)
+        and (root == [] or _valid_ends([root]))
     ):
         raise TableError(f"session {sid!r}: malformed fields")
     return SessionRecord(
@@ -166,6 +170,7 @@ def _record(d: object) -> SessionRecord:
         input_pages,
         tool_calls,
         [list(e) for e in ends],
+        list(root),
     )
 
 

@@ -102,6 +102,7 @@ def _on_release(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) ->
     try:
         keys, tokens = context_keys(cache, req)
         prio = getattr(req, "priority", None)
+        ends = _ends(req) if is_implicit_id(sid) else None
         reg.on_turn(
             str(sid),
             keys,
@@ -111,7 +112,10 @@ def _on_release(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) ->
             # tokens (the generation prompt re-rendered) is an ordinary next turn
             input_pages=end_pages(len(req.origin_input_ids), int(cache.page_size)),
             # how the tokenizer manager continues it after a restart (implicit sessions)
-            ends=_ends(req) if is_implicit_id(sid) else None,
+            ends=ends,
+            # its first turn's input end point (the first recorded stays): how a rewritten
+            # history (a compaction that kept the start) continues it after a restart
+            root=ends[0] if ends and len(ends) > 1 else None,
         )
     except Exception:  # bookkeeping must never take a request down
         logger.exception("sglang-l3 sessions: cannot record session %s", sid)
