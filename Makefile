@@ -18,7 +18,7 @@ MOONCAKE_PKG  := mooncake-transfer-engine-non-cuda==0.3.13.post1
 MOONCAKE_DEBS := libibverbs1 libnuma1 libcurl4
 MC_STAMP      := $(VENV)/.mooncake-installed
 
-# hermes-agent (the agent client of `make test-agents`, docs/agents.md) in its own venv:
+# hermes-agent (the agent client of the tests in test/agents, docs/agents.md) in its own venv:
 # its pins clash with SGLang's. HERMES=0 skips it (the agent tests then skip, saying why).
 HERMES        ?= 1
 HERMES_VENV   ?= .venv-hermes
@@ -84,7 +84,7 @@ test-fast: install
 test-upstream: install
 	$(PY) test/run_suite.py --suite upstream
 
-# two real Hermes agents against a CPU server (docs/agents.md); long, not part of `make test`
+# only the real Hermes agents against a CPU server (docs/agents.md; `make test` runs them too)
 test-agents: install
 	$(PY) test/run_suite.py --suite agents
 

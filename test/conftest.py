@@ -30,7 +30,7 @@ def pytest_configure(config: pytest.Config) -> None:
         ("slow", "takes more than a few seconds"),
         (
             "agents",
-            "drives real hermes-agent processes against a server (test/agents, `make test-agents`, not in `make test`)",
+            "drives real hermes-agent processes against a server (test/agents: in `make test`, alone `make test-agents`)",
         ),
         ("aot", "ahead-of-time compiles Triton kernels for gfx1100 (no GPU needed)"),
         ("l3_wait_abandoned_expected", "the test makes the L3 wait watchdog abandon or report a request on purpose"),
@@ -96,12 +96,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 # share nothing, are spread one by one at the end.
 SLOW_FIRST = (
     "e2e/test_tp2_l3.py",
+    "agents/test_hermes_l3_restart.py",
     "e2e/test_tp2_streamed_server.py",
     "e2e/test_burst_server.py",
     "e2e/test_images_server.py",
     "e2e/test_openai_client.py",
     "e2e/test_scripted_decode_server.py",
     "e2e/test_sessions_server.py",
+    "agents/test_hermes_compression.py",
+    "agents/test_hermes_agents.py",
     "e2e/test_implicit_sessions_server.py",
     "e2e/test_tool_pins_server.py",
     "e2e/test_many_agents_server.py",
@@ -171,7 +174,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return GroupScheduling(config, log)
 
 
-_DIRS = ("e2e", "integration", "upstream", "unit")
+_DIRS = ("e2e", "agents", "integration", "upstream", "unit")
 
 
 def _order(rel: str) -> int:

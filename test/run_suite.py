@@ -1,14 +1,14 @@
 """Run a named test suite (upstream SGLang style: `python test/run_suite.py --suite cpu`).
 
 Suites:
-  cpu       everything that runs without a GPU (default; `make test`, CI)
+  cpu       everything that runs without a GPU (default; `make test`, CI), the
+            real Hermes agents included (they skip, saying why, without .venv-hermes)
   fast      unit + integration, no GPU, nothing marked slow or aot (`make test-fast`)
   upstream  SGLang's own unified-radix-cache kits composed over every config,
             with every sglang-l3 patch applied
   gpu       GPU checks (CUDA or ROCm); skip cleanly without a GPU
   rdna3     RDNA3-only checks (gfx11xx); skip cleanly elsewhere
-  agents    real hermes-agent processes against a CPU server (`make test-agents`; long,
-            not part of cpu)
+  agents    only the real hermes-agent processes against a CPU server (`make test-agents`)
 
 cpu and fast run on two pytest-xdist workers (`--jobs`; 1 = one process, in
 order): a test file that shares servers or state is one group, run in file order
@@ -32,7 +32,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 SUITES: dict[str, list[str]] = {
-    "cpu": ["unit", "integration", "upstream", "e2e", "-m", "not gpu and not rdna3"],
+    "cpu": ["unit", "integration", "upstream", "e2e", "agents", "-m", "not gpu and not rdna3"],
     "fast": ["unit", "integration", "-m", "not gpu and not rdna3 and not slow and not aot"],
     "upstream": ["upstream"],
     "gpu": ["unit", "integration", "e2e", "gpu", "-m", "gpu"],

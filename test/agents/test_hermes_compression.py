@@ -1,35 +1,48 @@
-"""Hermes's context compression fires inside a real agent run against the CPU server,
-and the conversation goes on (issue 30, item 5).
+"""Hermes's context compression fires inside two real agents' runs against the CPU
+server with L3 on, and each conversation goes on as its own implicit session (issue
+30 item 5, issue 49 item 7).
 
-One real `hermes -z … -t file` agent (sandbox as in test_hermes_agents.py), tiny
-Qwen3.5 with the README's agent flags, patch scripted-decode. Hermes refuses a
-window under 64,000 tokens, and compresses once the prompt passes 85 % of its
-input budget (`context_length - max_tokens`) when that is below its 64,000-token
-floor (hermes-agent 0.19.0, agent/context_compressor.py); so the agent is told
-`context_length: 64000` and a `max_tokens` that puts the trigger ~3,500 tokens
-above the bare prompt, and its first tool call reads a notes file of ~10,000 tokens.
-The script (first matching marker wins):
+Two real `hermes -z … -t file` agents at once (sandboxes as in test_hermes_agents.py)
+that send one system prompt and no session id; tiny Qwen3.5 with the README's agent
+flags, buffer-only L3 on the file store (implicit sessions live with it), patch
+scripted-decode. Hermes's compression at its default threshold: Hermes refuses a
+window under 64,000 tokens, and below its 64,000-token floor it compresses once the
+prompt passes 85 % of its input budget (`context_length - max_tokens`; hermes-agent
+0.19.0, agent/context_compressor.py); so each agent is told `context_length: 64000`
+and a `max_tokens` that puts the trigger ~3,500 tokens above the bare prompt, and its
+first tool call reads a notes file of ~10,000 tokens. The script, per agent (first
+matching marker wins):
 
-- Hermes's summariser call (its preamble) answers with a summary that names a
-  marker of its own;
+- Hermes's summariser call for that agent (its prompt lists the agent's own tool
+  calls as `read_file({...})`, which only the summariser's serialisation writes)
+  answers with a summary that names a marker of the agent's;
 - a prompt that carries that summary (after compaction) writes the copy and the
   log (again: its step counts the tool results the compaction left), then answers;
 - before it: read the big notes, write the copy, read it, write the log, read it,
   answer.
 
-Checked: compression fired (the summariser was called) and the agent called the
-model again after it, finished with its answer and wrote the files; every call's
-tokens and log-probabilities (summariser included) equal a no-cache server's
-given the same prompts. Printed, not asserted: each agent call's prompt, cached
-tokens and the ideal (common page-aligned prefix with the previous call + its
-answer): what reuse survives the compaction.
+Checked:
+- compression fired for each agent (its summariser was called), and the agent called
+  the model again after it, finished with its answer and wrote its files;
+- sessions (the server's own, recorded per call): each agent's calls, before and
+  after its compaction, are one implicit session, the two agents' are two, and the
+  summariser calls are none of them. Hermes rebuilds the history when it compacts
+  but keeps the system prompt and the first message, so the agent's session
+  continues from its root (`implicit_sessions{rewritten}`), and the session table
+  demotes the old tail (`session_history_rewritten`);
+- every call's tokens and log-probabilities (summariser calls included) equal a
+  no-cache server's given the same prompts.
+Printed, not asserted: each agent call's prompt, cached tokens and the ideal (common
+page-aligned prefix with the previous call + its answer): what reuse survives.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sglang_l3.testing import hermes
@@ -46,7 +59,7 @@ from sglang_l3.testing.script_writer import answer_step, read_records, tool_step
 
 pytestmark = [pytest.mark.agents, pytest.mark.e2e, pytest.mark.slow]
 
-NAME = "agent-cedar"
+NAMES = ("agent-cedar", "agent-dune")
 HERMES_CONTEXT = 64000  # Hermes's minimum window (MINIMUM_CONTEXT_LENGTH)
 BARE_PROMPT = 6680  # the agent's first prompt in the tiny tokenizer (file toolset), measured
 TRIGGER = BARE_PROMPT + 3500  # above the prompt after a compaction (~8,200), below the first after the big read
@@ -54,39 +67,45 @@ TRIGGER = BARE_PROMPT + 3500  # above the prompt after a compaction (~8,200), be
 HERMES_MAX_TOKENS = HERMES_CONTEXT - math.ceil(TRIGGER / 0.85)
 SERVER_CONTEXT = 81920  # the prompt + Hermes's max_tokens must fit the server's window
 NOTES_LINES = 250  # ~10,000 tokens as Hermes's read_file returns them (numbered lines)
-SUMMARISER = "You are a summarization agent creating a context checkpoint"
-SUMMARY_MARKER = f"COMPACTED-{NAME}"
 
 
-def _rules(work: Path) -> dict[str, list[dict[str, object]]]:
+def summary_marker(name: str) -> str:
+    return f"COMPACTED-{name}"
+
+
+def summariser_marker(work: Path) -> str:
+    """What only Hermes's summariser prompt for this agent holds: its serialisation of
+    the agent's first tool call, `name(arguments)` (measured: `read_file({"path": "…"})`)."""
+    return "read_file(" + json.dumps({"path": str(work / "notes.txt")})
+
+
+def _rules(work: Path, name: str) -> dict[str, list[dict[str, object]]]:
+    mark = summary_marker(name)
+    copy = dict(path=str(work / "copy.txt"), content=f"copied by {name}")
+    log = dict(path=str(work / "log.txt"), content=f"{name} was here")
     return {
-        SUMMARISER: [answer_step("summarise.", f"{SUMMARY_MARKER}: {NAME} read notes.txt and is copying it.")],
+        summariser_marker(work): [answer_step("summarise.", f"{mark}: {name} read notes.txt and is copying it.")],
         # the step is the number of tool results since the last user turn, which the
         # compaction changes: every step but the answer writes (again) what is left
-        SUMMARY_MARKER: [
-            tool_step(
-                f"{NAME}: write the copy again.", "write_file", path=str(work / "copy.txt"), content=f"copied by {NAME}"
-            ),
-            tool_step(f"{NAME}: write the log.", "write_file", path=str(work / "log.txt"), content=f"{NAME} was here"),
-            tool_step(
-                f"{NAME}: write the log again.", "write_file", path=str(work / "log.txt"), content=f"{NAME} was here"
-            ),
-            answer_step(f"{NAME}: all done.", f"{NAME} copied the notes."),
+        mark: [
+            tool_step(f"{name}: write the copy again.", "write_file", **copy),
+            tool_step(f"{name}: write the log.", "write_file", **log),
+            tool_step(f"{name}: write the log again.", "write_file", **log),
+            answer_step(f"{name}: all done.", f"{name} copied the notes."),
         ],
-        task_marker(NAME): [
-            tool_step(f"{NAME}: read the notes.", "read_file", path=str(work / "notes.txt")),
-            tool_step(
-                f"{NAME}: write the copy.", "write_file", path=str(work / "copy.txt"), content=f"copied by {NAME}"
-            ),
-            tool_step(f"{NAME}: check the copy.", "read_file", path=str(work / "copy.txt")),
-            tool_step(f"{NAME}: write the log.", "write_file", path=str(work / "log.txt"), content=f"{NAME} was here"),
-            tool_step(f"{NAME}: read the log.", "read_file", path=str(work / "log.txt")),
-            answer_step(f"{NAME}: all done.", f"{NAME} copied the notes."),
+        task_marker(name): [
+            tool_step(f"{name}: read the notes.", "read_file", path=str(work / "notes.txt")),
+            tool_step(f"{name}: write the copy.", "write_file", **copy),
+            tool_step(f"{name}: check the copy.", "read_file", path=str(work / "copy.txt")),
+            tool_step(f"{name}: write the log.", "write_file", **log),
+            tool_step(f"{name}: read the log.", "read_file", path=str(work / "log.txt")),
+            answer_step(f"{name}: all done.", f"{name} copied the notes."),
         ],
     }
 
 
-def test_hermes_compression_fires_and_goes_on(tmp_path: Path) -> None:
+def test_two_hermes_agents_compact_and_keep_their_sessions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_l3 import metrics
     from sglang_l3.cpu import accelerator_present
 
     if accelerator_present():
@@ -95,49 +114,92 @@ def test_hermes_compression_fires_and_goes_on(tmp_path: Path) -> None:
     if why:
         pytest.skip(why)
     record = tmp_path / "record.jsonl"
-    rules = _rules(tmp_path / NAME / "work")
+    works = {n: tmp_path / n / "work" for n in NAMES}
+    per_agent = {n: _rules(works[n], n) for n in NAMES}
+    # first matching marker wins: the summarisers, then the compacted calls, then the tasks
+    rules: dict[str, list[dict[str, object]]] = {}
+    for k in range(3):
+        for n in NAMES:
+            marker, steps = list(per_agent[n].items())[k]
+            rules[marker] = steps
     script = write_script(tmp_path / "script.json", record, rules, record_prompt_ids=True)
-    s = server(tmp_path, "cached", server_config(script, context=SERVER_CONTEXT)).start()
+    stats = tmp_path / "stats"
+    config = server_config(script, storage_dir=tmp_path / "store", context=SERVER_CONTEXT)
+    config.env.update({"SGLANG_L3_PUBLISH_STATS": "1", "SGLANG_L3_STATS_DIR": str(stats)})
+    monkeypatch.setenv("SGLANG_L3_STATS_DIR", str(stats))
+    done: dict[str, Any] = {}
+    s = server(tmp_path, "cached", config).start()
     try:
-        box = hermes.Sandbox.create(
-            tmp_path / NAME,
-            base_url=s.base + "/v1",
-            model=SERVED_NAME,
-            context_length=HERMES_CONTEXT,
-            max_tokens=HERMES_MAX_TOKENS,
-            compression={"protect_first_n": 1, "protect_last_n": 3},
-        )
-        (box.work / "notes.txt").write_text(
-            "".join(f"notes of {NAME}, line {i:03d}: keep this line exactly as it is.\n" for i in range(NOTES_LINES))
-        )
-        proc = box.run(task_prompt(NAME))
+        boxes = {
+            n: hermes.Sandbox.create(
+                tmp_path / n,
+                base_url=s.base + "/v1",
+                model=SERVED_NAME,
+                context_length=HERMES_CONTEXT,
+                max_tokens=HERMES_MAX_TOKENS,
+                compression={"protect_first_n": 1, "protect_last_n": 3},
+            )
+            for n in NAMES
+        }
+        for n, box in boxes.items():
+            (box.work / "notes.txt").write_text(
+                "".join(f"notes of {n}, line {i:03d}: keep this line exactly as it is.\n" for i in range(NOTES_LINES))
+            )
+
+        def run(n: str) -> None:
+            done[n] = boxes[n].run(task_prompt(n))
+
+        threads = [threading.Thread(target=run, args=(n,)) for n in NAMES]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        counters = metrics.collect_published()
     finally:
         s.stop()
 
-    (tmp_path / f"{NAME}.out").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     rows = read_records(record)
     report = []
-    prev = None
-    for r in rows:
-        line = f"{r['rule'][:24]:24} step {r['step']}: prompt {r['prompt_tokens']} cached {r['cached'].get('total', 0)}"
-        if r["rule"] != SUMMARISER:
-            if prev is not None:
-                line += f" ideal {ideal(prev, r)}"
-            prev = r
-        report.append(line)
+    for n in NAMES:
+        prev = None
+        for r in rows:
+            if r["rule"] not in (task_marker(n), summary_marker(n), summariser_marker(works[n])):
+                continue
+            line = (
+                f"{n} {'summariser' if r['rule'].startswith('read_file(') else r['rule'][:24]:24} "
+                f"step {r['step']}: prompt {r['prompt_tokens']} cached {r['cached'].get('total', 0)} "
+                f"session {str(r.get('session'))[-8:]}"
+            )
+            if not r["rule"].startswith("read_file("):
+                if prev is not None:
+                    line += f" ideal {ideal(prev, r)}"
+                prev = r
+            report.append(line)
     print("\n".join(report))
     (tmp_path / "reuse.json").write_text(json.dumps(report, indent=1))
 
-    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert f"{NAME} copied the notes." in proc.stdout, proc.stdout[-2000:]
-    rules_seen = [r["rule"] for r in rows]
-    assert SUMMARISER in rules_seen, f"compression never fired: {report}"
-    first_summary = rules_seen.index(SUMMARISER)
-    assert SUMMARY_MARKER in rules_seen[first_summary:], f"no agent call after the compaction: {report}"
-    assert rules_seen[0] == task_marker(NAME) and rows[0]["step"] == 0, report
-    work = box.work
-    assert (work / "copy.txt").read_text() == f"copied by {NAME}"
-    assert (work / "log.txt").read_text() == f"{NAME} was here"
+    sessions = {}
+    for n in NAMES:
+        proc = done[n]
+        (tmp_path / f"{n}.out").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+        assert proc.returncode == 0, f"{n}: rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        assert f"{n} copied the notes." in proc.stdout, proc.stdout[-2000:]
+        assert (works[n] / "copy.txt").read_text() == f"copied by {n}"
+        assert (works[n] / "log.txt").read_text() == f"{n} was here"
+        seen = [r["rule"] for r in rows]
+        assert summariser_marker(works[n]) in seen, f"{n}: compression never fired: {report}"
+        first_summary = seen.index(summariser_marker(works[n]))
+        assert summary_marker(n) in seen[first_summary:], f"{n}: no agent call after the compaction: {report}"
+        mine = [r for r in rows if r["rule"] in (task_marker(n), summary_marker(n))]
+        assert mine[0]["rule"] == task_marker(n) and mine[0]["step"] == 0, report
+        ids = {r["session"] for r in mine}
+        assert len(ids) == 1 and None not in ids, f"{n}: its calls are not one implicit session: {report}"
+        sessions[n] = ids.pop()
+    assert len(set(sessions.values())) == len(NAMES), f"the agents share a session: {sessions}"
+    summarisers = {r["session"] for r in rows if r["rule"].startswith("read_file(")}
+    assert not summarisers & set(sessions.values()), "a summariser call joined an agent's session"
+    assert counters.get("implicit_sessions{rewritten}", 0) >= len(NAMES), counters
+    assert counters.get("session_history_rewritten", 0) >= len(NAMES), counters
 
     bad = replay_no_cache(rows, rules, tmp_path, context=SERVER_CONTEXT)
     assert not bad, "differs from the no-cache server: " + ", ".join(bad)

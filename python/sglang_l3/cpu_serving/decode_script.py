@@ -163,6 +163,7 @@ class Forced:
     # the request's cached prompt tokens as the server counted them (upstream's Req
     # counters: total, device, host, L3), taken when the script finished
     cached: dict[str, int] = field(default_factory=dict)
+    session: str | None = None  # the request's session id (an implicit one: the server's)
 
     def record(self, with_prompt: bool) -> dict[str, Any]:
         ids = self.prompt_ids
@@ -175,6 +176,7 @@ class Forced:
             "tokens": self.tokens,
             "logprobs": self.logprobs,
             "cached": self.cached,
+            "session": self.session,
         }
         if with_prompt:
             row["prompt_ids"] = ids

@@ -71,7 +71,15 @@ class _Scripter:
             return None
         rule, k = chosen
         tokens = self.tok.encode(rule.steps[k].text(), add_special_tokens=False) + [self.eos]
-        forced = Forced(rid=req.rid, rule=rule.marker, step=k, tokens=tokens, prompt_ids=ids)
+        sid = getattr(req, "session_id", None)
+        forced = Forced(
+            rid=req.rid,
+            rule=rule.marker,
+            step=k,
+            tokens=tokens,
+            prompt_ids=ids,
+            session=str(sid) if sid is not None else None,
+        )
         self.live[req.rid] = forced
         while len(self.live) > _MAX_LIVE:
             self.live.popitem(last=False)
