@@ -14,14 +14,14 @@ Prints per call: agent, step, prompt tokens, cached tokens (total, device, L3), 
 ideal (page-aligned common prefix with the agent's previous prompt + the server's
 answer) and TTFT (relay to the server's first streamed chunk); with --check, the
 same prompts are replayed on a no-cache server and every call's tokens and
-log-probabilities compared. Last line:
+log-probabilities compared; then the L3 write counters (what was dropped, by reason). Last line:
 
     reuse_vs_ideal=R l3_tokens=N calls=C
 
 R = cached / ideal summed over every call after an agent's first, N = tokens that
 came from L3 over all calls, C = model calls of both agents.
 
-    nice -n 10 .venv/bin/python benchmark/hermes_agents.py [--calls 12] [--pool 12800] [--host-ratio 2] [--check]
+    nice -n 10 .venv/bin/python benchmark/hermes_agents.py [--calls 12] [--pool 12800] [--host-ratio 2] [--check] [--no-l3]
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from sglang_l3.testing.hermes_scenario import (
     SMALL_HOST_RATIO,
     SMALL_POOL_MAX_TOKENS,
     host_ratio_args,
+    l3_metric_lines,
     last_log_entry,
     notes_text,
     replay_no_cache,
@@ -86,7 +87,15 @@ def run(args: argparse.Namespace, root: Path) -> int:
     record = root / "record.jsonl"
     rules = {task_marker(n): steps(root / n / "work", n, args.calls) for n in NAMES}
     script = write_script(root / "script.json", record, rules, record_prompt_ids=True)
-    config = server_config(script, storage_dir=root / "store", pool=args.pool, extra=host_ratio_args(args.host_ratio))
+    if args.no_l3:  # the control: upstream's device cache alone, same pool
+        config = server_config(script, pool=args.pool, extra=["--enable-metrics"])
+    else:
+        config = server_config(
+            script,
+            storage_dir=root / "store",
+            pool=args.pool,
+            extra=["--enable-metrics", *host_ratio_args(args.host_ratio)],
+        )
     timings = Timings()
     s = server(root, "l3", config)
     print(f"server: {s.shell_command()}", flush=True)
@@ -115,9 +124,12 @@ def run(args: argparse.Namespace, root: Path) -> int:
             t.start()
         for t in threads:
             t.join()
+        # what did not reach L3, and why (l3_write_dropped{reason}); parents found in flight
+        writes = [x for x in l3_metric_lines(s) if "l3_write_" in x or "branch_backups" in x]
     finally:
         relay.stop()
         s.stop()
+    print("L3 writes: " + ("; ".join(writes) if writes else "nothing dropped"))
 
     ok = True
     rows = read_records(record)
@@ -172,6 +184,9 @@ def main() -> int:
     )
     ap.add_argument("--max-tokens", type=int, default=SMALL_POOL_MAX_TOKENS, help="Hermes's model.max_tokens")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per agent process")
+    ap.add_argument(
+        "--no-l3", action="store_true", help="the control: no HiCache and no store (upstream's device cache alone)"
+    )
     ap.add_argument("--check", action="store_true", help="replay every call on a no-cache server and compare")
     ap.add_argument("--keep", type=Path, help="work directory to keep (default: a temporary one)")
     args = ap.parse_args()

@@ -1,9 +1,9 @@
 """Two real Hermes agents at once, L3 on, a device pool of about one agent's context,
 and a server restart between two calls (issue 30, item 5).
 
-The scenario of test_hermes_agents.py (real `hermes -z … -t file` processes in
-sandboxes, tiny Qwen3.5 with the README's agent flags, patch scripted-decode: six
-model calls per agent, five tool calls the agent executes, then the answer), with:
+Real `hermes -z … -t file` processes in sandboxes (sglang_l3.testing.hermes), tiny
+Qwen3.5 with the README's agent flags, patch scripted-decode: six model calls per
+agent, five tool calls the agent executes, then the answer; with:
 
 - each agent's first tool call reads its own notes (~1,600 tokens), so the two
   contexts differ by more than a few pages beyond the shared system prompt;
@@ -47,6 +47,7 @@ from sglang_l3.testing.hermes_scenario import (
     SMALL_HOST_RATIO,
     SMALL_POOL_MAX_TOKENS,
     host_ratio_args,
+    l3_metric_lines,
     last_log_entry,
     notes_text,
     replay_no_cache,
@@ -113,7 +114,7 @@ class RestartGate:
 
 def l3_counters(s: Any, path: Path) -> None:
     """The server's sglang-l3 counters (l3_*) to a file and stdout, for the report."""
-    lines = [x for x in s.get_text("/metrics").splitlines() if "l3_" in x and not x.startswith("#")]
+    lines = l3_metric_lines(s)
     path.write_text("\n".join(lines) + "\n")
     print(f"--- {path.name}\n" + "\n".join(x for x in lines if not x.rstrip().endswith(" 0.0")))
 

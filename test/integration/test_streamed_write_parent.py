@@ -83,8 +83,11 @@ def test_child_written_behind_a_parent_still_in_flight(tmp_path, core: str) -> N
     assert _restore(tmp_path, core, seq, want) == len(seq)
 
 
-def test_without_the_fix_the_child_is_dropped(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("without", ["split-parent-cover"], indirect=True)
+def test_without_the_fix_the_child_is_dropped(tmp_path, monkeypatch, without) -> None:
     """Negative control: upstream's ack clears the in-flight mark after the first window.
+    (Patch split-parent-cover, undone here, would cover P too once its last window is
+    launched: this control is about the mark alone.)
 
     Without the fix, C is dropped only when it reaches the FIFO head after a window's
     storage ack cleared P's mark and before P's last window is acked: on the simulated

@@ -133,6 +133,12 @@ def server_config(
     )
 
 
+def l3_metric_lines(s: Server) -> list[str]:
+    """The server's sglang-l3 counters (`l3_` in the name) from /metrics (the server
+    needs --enable-metrics), one Prometheus line each."""
+    return [x for x in s.get_text("/metrics").splitlines() if "l3_" in x and not x.startswith("#")]
+
+
 def server(root: Path, name: str, config: ServerConfig) -> Server:
     return Server(config, root / f"{name}-{time.monotonic_ns()}.log", startup_timeout=STARTUP_TIMEOUT)
 
