@@ -104,7 +104,6 @@ SLOW_FIRST = (
     "e2e/test_scripted_decode_server.py",
     "e2e/test_sessions_server.py",
     "agents/test_hermes_compression.py",
-    "agents/test_hermes_agents.py",
     "e2e/test_implicit_sessions_server.py",
     "e2e/test_tool_pins_server.py",
     "e2e/test_many_agents_server.py",
