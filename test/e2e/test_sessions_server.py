@@ -1,10 +1,13 @@
 """Issue 13 through the real server (CPU, buffer-only L3): upstream's session
 ids drive L3 retention and survive a restart.
 
-- restart between turns (tiny Qwen3-Next and tiny Qwen3.5): the session table
-  written by the first server names exactly the chain of pages HiCache stored;
-  after a restart the same `session_id` continues from L3, tokens and logprobs
-  identical to the family's no-cache server (conftest `reference`);
+- restart between turns (tiny Qwen3-Next): the session table written by the
+  first server names exactly the chain of pages HiCache stored; after a restart
+  the same `session_id` continues from L3, tokens and logprobs identical to the
+  family's no-cache server (conftest `reference`). The table and the chain are
+  decided on page keys, not on the model; tiny Qwen3.5's restart from L3 is
+  test_l3_restore_server's (the Qwen3.5 case here was dropped for the suite's
+  time, issue 51 item 5: 82 s);
 - byte cap smaller than all contexts: an open session's context stays
   restorable while plain prompts are evicted; after `/close_session` it is
   evictable; "speaks next" hints (tiny Qwen3-Next: retention and hints are
@@ -147,7 +150,7 @@ def _reference_b(ref) -> tuple:
     return rb1, rb2
 
 
-@family_params("qwen3next", "qwen35")
+@family_params("qwen3next")
 def test_session_survives_a_restart_and_continues_from_l3(tmp_path, family, reference):
     r1, ctx2, r2 = _reference(reference)
     reference.stop()  # one server at a time
