@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +160,13 @@ def test_two_hermes_agents_compact_and_keep_their_sessions(tmp_path: Path, monke
             t.start()
         for t in threads:
             t.join()
+        # published by the server's processes within a second of a change; wait for them
+        wanted = ("implicit_sessions{rewritten}", "session_history_rewritten")
+        deadline = time.monotonic() + 60
         counters = metrics.collect_published()
+        while any(counters.get(k, 0) < len(NAMES) for k in wanted) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            counters = metrics.collect_published()
     finally:
         s.stop()
 
