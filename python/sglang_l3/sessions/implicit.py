@@ -50,7 +50,7 @@ import uuid
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from sglang_l3 import metrics
@@ -226,7 +226,7 @@ class ImplicitSessions:
     def forget(self, sid: str) -> None:
         s = self._sessions.pop(sid, None)
         if s is not None:
-            self._drop_ends(sid, s)
+            self._drop_ends(sid, s.ends)
             self._drop_root(sid, s)
 
     def roots(self) -> int:
@@ -249,8 +249,8 @@ class ImplicitSessions:
         self._uncount(s.root[0])
         s.root = None
 
-    def _drop_ends(self, sid: str, s: _Session) -> None:
-        for k in s.ends:
+    def _drop_ends(self, sid: str, ends: Iterable[EndPoint]) -> None:
+        for k in ends:
             sids = self._by_end.get(k, [])
             if sid in sids:
                 sids.remove(sid)
@@ -265,9 +265,8 @@ class ImplicitSessions:
 
     def _set_ends(self, sid: str, s: _Session, ends: list[EndPoint]) -> None:
         new = tuple(dict.fromkeys(ends))
-        kept = set(new)
-        self._drop_ends(sid, replace(s, ends=tuple(k for k in s.ends if k not in kept)))
         had = set(s.ends)
+        self._drop_ends(sid, had.difference(new))
         s.ends = new
         for k in new:
             if k in had:

@@ -11,11 +11,12 @@ but not yet acknowledged: the launched write carries the split parent's pages un
 the original node's id, and the walk queues nothing for the split parent, because
 its pages are already covered.
 
-The beliefs' in-flight marks are set at the D2H launch and cleared at the storage
-ack: upstream's own pipeline state, the same on every TP rank. A launched write that
-then fails leaves the parent neither in flight nor stored, and the gate at the FIFO
-head (`_refresh_pending_backup_intents`) refuses the child there, as upstream does
-for a parent dropped while in flight.
+TP: the beliefs' in-flight marks are set at the D2H launch (the FIFO flush, the same
+on every rank) and, at the storage ack, turned into stored beliefs by upstream's
+rank-synced drain, which adds them whatever one rank's backend said
+(`finish_storage_write_ack`); so the parent is covered from the launch on, on every
+rank alike. A page the store then lacks is a miss at read time, as for any write
+upstream believes stored.
 """
 
 from __future__ import annotations
