@@ -71,6 +71,9 @@ def restore_big(tmp_path, page_size: int, core: str, seq: list[int], want) -> in
         if not r.cache.buffer_pipeline.has_staged(h):
             return 0
         r.cache.buffer_pipeline.release_staged_hold(h)
+        # the probe's device rows are freed once its copies completed (a later tick):
+        # admitting before that finds the pool short (device_capacity), as a busy box showed
+        r.settle()
         req, loaded = r.restore(seq, "reader")
         m = r.match(seq)
         assert m.device_prefix_len == len(seq) == loaded

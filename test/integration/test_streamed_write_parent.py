@@ -65,6 +65,9 @@ def _restore(tmp_path, core: str, seq: list[int], want) -> int:
         if not r.cache.buffer_pipeline.has_staged(h):
             return 0
         r.cache.buffer_pipeline.release_staged_hold(h)
+        # the probe's device rows are freed once its copies completed (a later tick):
+        # admitting before that finds the pool short (device_capacity), as a busy box showed
+        r.settle()
         req, loaded = r.restore(seq, "reader")
         if loaded == len(seq):
             r.check_restored(seq, req, loaded, want, kv=True)
