@@ -36,6 +36,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang_l3.storage.config import StoreSettings
 from sglang_l3.storage.identity import PoolLayout, identity_for
 from sglang_l3.storage.pagemap import PageMap, Target, flat_tensor_target
+from sglang_l3.storage.pending_writes import Page, PendingWrites
 from sglang_l3.storage.store import PageStore, PoolSpec, ReadItem, WriteItem
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 KV = PoolName.KV.value
 MAMBA = PoolName.MAMBA.value
 _EXISTS_CHUNK = 64
+# How long a lookup waits for a queued write of a page it asks for (pending_writes.py):
+# a write at disk speed takes milliseconds; past this the page is a miss, as before.
+LOOKUP_WAIT_S = 10.0
 
 
 def pool_key(name: Any) -> str:
@@ -100,6 +104,7 @@ class L3FileStore(HiCacheStorage):
         # per batch since the last get_stats(): (pages moved, GB/s), bounded
         self._io_stats: dict[bool, collections.deque] = {w: collections.deque(maxlen=4096) for w in (False, True)}
         self._stats_lock = threading.Lock()
+        self.pending_writes = PendingWrites()
 
     # ------------------------------------------------------------ registry
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -142,11 +147,28 @@ class L3FileStore(HiCacheStorage):
             self._warned.add(tag)
             logger.warning(msg, *args)
 
+    # ------------------------------------------------------ queued writes
+    def expect_writes(self, pages: list[Page]) -> None:
+        """`pages` ((pool, key)) are queued for a write: lookups of them wait for it."""
+        self.pending_writes.add(pages)
+
+    def writes_finished(self, pages: list[Page]) -> None:
+        """The write `expect_writes(pages)` announced ended (written or not)."""
+        self.pending_writes.remove(pages)
+
+    def _present(self, keys: list[str], spec: PoolSpec) -> list[bool]:
+        waited = self.pending_writes.wait([(spec.layout.pool, k) for k in keys], LOOKUP_WAIT_S)
+        if waited is not None:
+            self.store.counters.inc("exists_waited_write")
+            if not waited:
+                self.store.counters.inc("exists_wait_timeouts")
+        return self.store.exists([(k, spec) for k in keys])
+
     # ----------------------------------------------------------- existence
     def _exists_prefix(self, keys: list[str], spec: PoolSpec) -> int:
         n = 0
         for i in range(0, len(keys), _EXISTS_CHUNK):
-            have = self.store.exists([(k, spec) for k in keys[i : i + _EXISTS_CHUNK]])
+            have = self._present(keys[i : i + _EXISTS_CHUNK], spec)
             for h in have:
                 if not h:
                     return n
@@ -179,7 +201,7 @@ class L3FileStore(HiCacheStorage):
                 pool_ok = set(range(1, boundary + 1))
             elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                 trailing = max(1, len(t.keys) if t.keys else 1)
-                have = self.store.exists([(k, spec) for k in keys[:kv_pages]])
+                have = self._present(keys[:kv_pages], spec)
                 pool_ok = {p for p in range(1, kv_pages + 1) if all(have[i] for i in range(max(0, p - trailing), p))}
                 boundary = max(pool_ok, default=0)
             else:  # e.g. BLOCK_GROUPS: unused by 0.5.23's callers; never over-promise
@@ -351,7 +373,7 @@ class L3FileStore(HiCacheStorage):
     @_never_raise(lambda *a, **k: False)
     def exists(self, key: str) -> bool:
         kv = self._specs.get(KV)
-        return kv is not None and self.store.exists([(key, kv)])[0]
+        return kv is not None and self._present([key], kv)[0]
 
     @_never_raise(lambda *a, **k: 0)
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -398,4 +420,5 @@ class L3FileStore(HiCacheStorage):
         return out
 
     def close(self) -> None:
+        self.pending_writes.clear()  # no lookup waits on a write that will not come
         self.store.close()
