@@ -30,10 +30,12 @@ Checked:
   but keeps the system prompt and the first message, so the agent's session
   continues from its root (`implicit_sessions{rewritten}`), and the session table
   demotes the old tail (`session_history_rewritten`);
-- reuse: each agent call after its first reuses at least 0.9 of the ideal (the
-  page-aligned common prefix with that agent's previous call + the server's answer;
-  after a compaction, the system prompt and first message), from the server's own
-  per-request counters (printed per call);
+- reuse: the agent calls after their first reuse at least 0.9 of the ideal over all,
+  and each at least 0.75 of its own (the ideal: the page-aligned common prefix with
+  that agent's previous call + the server's answer; after a compaction, the system
+  prompt and first message; the margins are the spans a hybrid model's saved states
+  leave, hermes_scenario.reuse_shortfalls), from the server's own per-request
+  counters (printed per call);
 - every call's tokens and log-probabilities (summariser calls included) equal a
   no-cache server's given the same prompts.
 This test also holds what test_hermes_agents.py checked (two agents at once, tool
@@ -56,6 +58,7 @@ from sglang_l3.testing.hermes_scenario import (
     SERVED_NAME,
     ideal,
     replay_no_cache,
+    reuse_shortfalls,
     server,
     server_config,
     task_marker,
@@ -172,7 +175,7 @@ def test_two_hermes_agents_compact_and_keep_their_sessions(tmp_path: Path, monke
 
     rows = read_records(record)
     report = []
-    short = []
+    calls: list[tuple[str, int, int]] = []
     for n in NAMES:
         prev = None
         for r in rows:
@@ -187,8 +190,7 @@ def test_two_hermes_agents_compact_and_keep_their_sessions(tmp_path: Path, monke
                 if prev is not None:
                     want = ideal(prev, r)
                     line += f" ideal {want}"
-                    if r["cached"].get("total", 0) < 0.9 * want:
-                        short.append(line)
+                    calls.append((line, r["cached"].get("total", 0), want))
                 prev = r
             report.append(line)
     print("\n".join(report))
@@ -218,8 +220,10 @@ def test_two_hermes_agents_compact_and_keep_their_sessions(tmp_path: Path, monke
     assert counters.get("session_history_rewritten", 0) >= len(NAMES), counters
 
     # every call after an agent's first reuses the ideal prefix (the compacted history is
-    # new text: the ideal after a compaction is the system prompt and the first message)
-    assert not short, "reuse below 0.9 of the ideal:\n" + "\n".join(short)
+    # new text: the ideal after a compaction is the system prompt and the first message),
+    # within what a hybrid model's saved states allow (hermes_scenario.reuse_shortfalls)
+    short = reuse_shortfalls(calls)
+    assert not short, "reuse short of the ideal:\n" + "\n".join(short)
 
     bad = replay_no_cache(rows, rules, tmp_path, context=SERVER_CONTEXT)
     assert not bad, "differs from the no-cache server: " + ", ".join(bad)

