@@ -46,6 +46,7 @@ SIM_FILES = {
     "test_damage_fallback.py",
     "test_eager_page_hash.py",
     "test_l3_restore.py",
+    "test_lookup_waits_write.py",
     "test_mooncake_restore.py",
     "test_reanchor.py",
     "test_session_guard.py",
