@@ -31,8 +31,24 @@ from l3_e2e import (
     restorable,
     run_agents,
 )
+from sglang_l3.testing.server import Generation, prompt
 
 pytestmark = [pytest.mark.e2e, family_params("qwen3next", "qwen35")]
+
+# A context that leaves another mid-node (two agents with one system prompt; patch
+# mamba-branch-cut): BRANCH_A is prefilled in two chunks (Mamba states at 256 and at its
+# end, 384); BRANCH_B shares its first 330 tokens, so B's match finds KV up to 320 and the
+# last state before it at 256, and 320 is B's branching point.
+BRANCH_A = prompt(3, 400)
+BRANCH_B = BRANCH_A[:330] + prompt(4, 100)
+
+
+def branch_turns(server) -> list[Generation]:
+    """A, then B, then B's next call (its history + a new message)."""
+    a = server.generate(BRANCH_A, NEW_TOKENS)
+    b = server.generate(BRANCH_B, NEW_TOKENS)
+    b2 = server.generate(BRANCH_B + b.output_ids + prompt(5, 48), NEW_TOKENS)
+    return [a, b, b2]
 
 
 @reference_scenario
@@ -40,6 +56,7 @@ def _no_cache_answers(server) -> None:
     server.generate(P, NEW_TOKENS)
     server.generate(LONG, NEW_TOKENS)
     run_agents(server)
+    branch_turns(server)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -94,6 +111,21 @@ def test_interleaved_agents_reference_on_large_pool(cluster):
             assert g.cached_device > 0 and g.cached_storage == 0, (a, k, g.meta)
         assert_same_output(g, want, cluster.device, f"agent {a} turn {k} vs no-cache")
     cluster.results["agents"] = turns
+
+
+def test_branch_keeps_its_own_prompt_end(cluster):
+    """B's next call resumes at the end of B's prompt (384), not at its branch from A (320):
+    upstream tracks B's state at the branch instead of at its prompt's end, and caches a
+    finished request only up to its last state."""
+    s = cluster.first()
+    s.flush_cache()
+    turns = branch_turns(s)
+    a, b, b2 = turns
+    assert a.cached_tokens == 0, a.meta
+    assert b.cached_device == 256, b.meta  # A's last state before the branch
+    assert b2.cached_device == restorable(len(BRANCH_B)), b2.meta  # B's own end (384), not 320
+    for got, want, what in zip(turns, branch_turns(cluster.expected), ("A", "B", "B's next call"), strict=True):
+        assert_same_output(got, want, cluster.device, f"{what} vs no-cache")
 
 
 def test_restart_restores_from_l3(cluster):

@@ -155,13 +155,13 @@ def ideal(prev: dict[str, Any], cur: dict[str, Any]) -> int:
 
 
 # How much of the ideal the agents' calls must reuse. A hybrid model resumes only where
-# the server saved a Mamba state, and upstream's radix cache does not always hold the one
-# at the previous prompt's end: the second agent's return while the first agent's long
-# call is mid-prefill finds 5,824 of an ideal 6,720 tokens, with no HiCache at all too
-# (the recorded prompts replayed, 2026-12-06; docs/agents.md), and a previous prompt of
-# a whole number of pages leaves its last state in the page the template re-renders
-# (6,720 of 8,448). So one call may fall short of the ideal by such a span; over all calls
-# the reuse stays near the ideal, and a call that recomputed its own context fails both.
+# the server saved a Mamba state, and upstream saves one per chunk and one at a prompt's
+# end: a previous prompt of a whole number of pages leaves its last state in the page the
+# template re-renders, so the next call resumes a checkpoint earlier (6,720 of an ideal
+# 8,448; docs/agents.md). (The second agent's return finding 5,824 of 6,720 was a state
+# tracked at a branch instead of the prompt's end: patch mamba-branch-cut.) So one call
+# may fall short of the ideal by such a span; over all calls the reuse stays near the
+# ideal, and a call that recomputed its own context fails both.
 REUSE_PER_CALL = 0.75
 REUSE_OVERALL = 0.9
 
