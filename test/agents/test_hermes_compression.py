@@ -30,12 +30,11 @@ Checked:
   but keeps the system prompt and the first message, so the agent's session
   continues from its root (`implicit_sessions{rewritten}`), and the session table
   demotes the old tail (`session_history_rewritten`);
-- reuse: the agent calls after their first reuse at least 0.9 of the ideal over all,
-  and each at least 0.75 of its own (the ideal: the page-aligned common prefix with
-  that agent's previous call + the server's answer; after a compaction, the system
-  prompt and first message; the margins are the spans a hybrid model's saved states
-  leave, hermes_scenario.reuse_shortfalls), from the server's own per-request
-  counters (printed per call);
+- reuse: each agent call after its first reuses at least 0.9 of the ideal (the
+  page-aligned common prefix with that agent's previous call + the server's answer;
+  after a compaction, the system prompt and first message;
+  hermes_scenario.reuse_shortfalls), from the server's own per-request counters
+  (printed per call);
 - every call's tokens and log-probabilities (summariser calls included) equal a
   no-cache server's given the same prompts.
 This test also holds what test_hermes_agents.py checked (two agents at once, tool

@@ -23,10 +23,9 @@ agent, five tool calls the agent executes, then the answer; with:
   run now holds both paths to every check.)
 
 Checked, from the server's own per-request counters (scripted-decode's record):
-- the calls after an agent's first reuse at least 0.9 of the ideal over all, and each
-  at least 0.75 of its own (the ideal: the page-aligned common prefix with the
-  previous prompt + the server's answer; the margins are the spans a hybrid model's
-  saved states leave, hermes_scenario.reuse_shortfalls);
+- each call after an agent's first reuses at least 0.9 of the ideal (the page-aligned
+  common prefix with the previous prompt + the server's answer;
+  hermes_scenario.reuse_shortfalls);
 - before the restart, each agent has a later call whose reuse came (partly) from L3;
 - each agent's first call after the restart comes from L3 (the first one back:
   nothing on the device);

@@ -36,7 +36,7 @@ from sglang_l3.testing.server import Generation, prompt
 pytestmark = [pytest.mark.e2e, family_params("qwen3next", "qwen35")]
 
 # A context that leaves another mid-node (two agents with one system prompt; patch
-# mamba-branch-cut): BRANCH_A is prefilled in two chunks (Mamba states at 256 and at its
+# mamba-prefill-cuts): BRANCH_A is prefilled in two chunks (Mamba states at 256 and at its
 # end, 384); BRANCH_B shares its first 330 tokens, so B's match finds KV up to 320 and the
 # last state before it at 256, and 320 is B's branching point.
 BRANCH_A = prompt(3, 400)
@@ -51,12 +51,30 @@ def branch_turns(server) -> list[Generation]:
     return [a, b, b2]
 
 
+# Prompts that end on the Mamba grid (64), each followed by a call that shares all but its
+# last token, as a chat template's next call does (patch mamba-prefill-cuts): TAIL_A's last
+# chunk continues a chunked prefill (256-token chunks), TAIL_C's one extend follows a
+# device hit (960 of its 1,152 tokens).
+TAIL_A = prompt(6, 1024)
+TAIL_C = TAIL_A[:-1] + prompt(7, 129)
+
+
+def tail_turns(server) -> list[Generation]:
+    """TAIL_A, its next call, TAIL_C, its next call."""
+    a = server.generate(TAIL_A, NEW_TOKENS)
+    a2 = server.generate(TAIL_A[:-1] + prompt(8, 50), NEW_TOKENS)
+    c = server.generate(TAIL_C, NEW_TOKENS)
+    c2 = server.generate(TAIL_C[:-1] + prompt(9, 50), NEW_TOKENS)
+    return [a, a2, c, c2]
+
+
 @reference_scenario
 def _no_cache_answers(server) -> None:
     server.generate(P, NEW_TOKENS)
     server.generate(LONG, NEW_TOKENS)
     run_agents(server)
     branch_turns(server)
+    tail_turns(server)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -125,6 +143,23 @@ def test_branch_keeps_its_own_prompt_end(cluster):
     assert b.cached_device == 256, b.meta  # A's last state before the branch
     assert b2.cached_device == restorable(len(BRANCH_B)), b2.meta  # B's own end (384), not 320
     for got, want, what in zip(turns, branch_turns(cluster.expected), ("A", "B", "B's next call"), strict=True):
+        assert_same_output(got, want, cluster.device, f"{what} vs no-cache")
+
+
+def test_prompt_on_the_grid_leaves_a_state_for_the_next_call(cluster):
+    """A prompt of whole grid steps keeps a state one step before its end: the next call,
+    which shares all but the last token, resumes there (960 of TAIL_A's 1,024, 1,088 of
+    TAIL_C's 1,152), not a chunk or a turn back."""
+    s = cluster.first()
+    s.flush_cache()
+    turns = tail_turns(s)
+    a, a2, c, c2 = turns
+    assert a.cached_tokens == 0, a.meta
+    assert a2.cached_device == restorable(len(TAIL_A)), a2.meta
+    assert c.cached_device == restorable(len(TAIL_A)), c.meta
+    assert c2.cached_device == restorable(len(TAIL_C)), c2.meta
+    names = ("TAIL_A", "TAIL_A's next call", "TAIL_C", "TAIL_C's next call")
+    for got, want, what in zip(turns, tail_turns(cluster.expected), names, strict=True):
         assert_same_output(got, want, cluster.device, f"{what} vs no-cache")
 
 
