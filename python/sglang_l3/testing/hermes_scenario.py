@@ -159,8 +159,7 @@ def ideal(prev: dict[str, Any], cur: dict[str, Any]) -> int:
 # leaves one where the call's shared prefix ends (at a branch off the other agent's
 # context too, and a grid step early when the previous prompt ends on the grid), so
 # every call reaches its ideal: in the runs recorded on 2026-12-06, every call did.
-# The margin is for the scheduler's timing (a state evicted under pressure before its
-# L3 write, then recomputed), not for a known shortfall.
+# The 0.1 margin is not for any known shortfall.
 REUSE_PER_CALL = 0.9
 REUSE_OVERALL = 0.9
 

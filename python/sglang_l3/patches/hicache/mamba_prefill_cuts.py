@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from typing import Any
 
 from sglang_l3 import metrics
@@ -80,11 +79,11 @@ def cut_len(req: Any, prefix_len: int, extend_len: int, grid: int) -> tuple[int,
 
 
 def mamba_grid(page_size: int) -> int:
-    """The grid both cut chunks' end states land on: the cache chunk grid (where upstream
-    tracks a branch) and the checkpoint grid (where a chunk's end state is kept)."""
-    from sglang.srt.runtime_context import mamba_cache_chunk_size, mamba_checkpoint_grid
+    """The grid both cut chunks' end states land on: upstream's checkpoint grid, the
+    common multiple of the cache chunk grid (where it tracks a branch) and the page."""
+    from sglang.srt.runtime_context import mamba_checkpoint_grid
 
-    return math.lcm(mamba_cache_chunk_size(), mamba_checkpoint_grid(page_size))
+    return mamba_checkpoint_grid(page_size)
 
 
 def _applies(adder: Any) -> bool:
