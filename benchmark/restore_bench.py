@@ -83,6 +83,11 @@ buffer (the smaller of the models' ratios), F and U = fraction of tokens restore
 with the 1/16 buffer (ours: the smallest over rows; upstream: the largest; nan
 with --no-upstream).
 
+`--device cuda` (a CUDA/ROCm GPU): the device pools live on the GPU and upstream's
+load stream copies with real DMAs (no CPU switch); each row then also prints
+`h2d_GB/s`, one bulk pinned-host -> device copy of the row's bytes (the copy engine's
+own rate, beside which the restore's piece copies can be judged).
+
 Example: nice -n 10 python benchmark/restore_bench.py --contexts 8192,32768,131072
 """
 
@@ -506,6 +511,22 @@ def fits(need_gib: float, fixed: float | None) -> bool:
     return 1.15 * need_gib <= mem_budget_gib(fixed)
 
 
+def measure_h2d(nbytes: int) -> float:
+    """One bulk pinned-host -> device copy of `nbytes` (the GPU's copy engine, as fast as
+    a restore's copies can be): seconds, after a warm-up copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    del src, dst
+    torch.cuda.empty_cache()
+    return wall
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -541,6 +562,12 @@ def main(argv: list[str] | None = None) -> int:
         help="negative control of the guard: time the test harness's forward-time read and comparison "
         "with the restore (what this benchmark timed from e35d329 until issue 34)",
     )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where the device pools live: cpu (the CPU stand-in) or cuda (a CUDA/ROCm GPU: real copy engine)",
+    )
     args = ap.parse_args(argv)
     guard = parse_min_ratio(args.min_ratio) if args.min_ratio else {}
     buffers = [(b, f) for b, f in BUFFERS if b in args.buffers.split(",")]
@@ -550,19 +577,23 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--min-ratio names a buffer --buffers leaves out")
     problems: list[str] = []
 
-    prepare()
+    prepare(args.device)
     from sglang_l3.patches.hicache.streamed_restore import MAX_INFLIGHT  # the restore's readers
 
     contexts = [int(x) for x in args.contexts.split(",")]
     models = [m for m in MODELS if m.name in args.models.split(",")]
 
     budget = f"--max-gib {args.max_gib:.1f} GiB" if args.max_gib else "MemAvailable - 2 GiB, re-read per row"
-    print(f"# per-rank sizes, TP={TP}, page {PAGE}; memory budget {budget} (upstream host reserve lowered to 1 GiB)")
+    print(
+        f"# per-rank sizes, TP={TP}, page {PAGE}; memory budget {budget} (upstream host reserve lowered to 1 GiB); "
+        f"device {device_name(args.device)}"
+    )
     for m in models:
         print(f"# {m.name}: KV {m.kv_bytes_per_token()} B/token, GDN state {m.state_bytes()} B")
     hdr = (
         f"{'model':20s} {'context':>8s} {'buffer':>6s} {'host_tok':>8s} {'tokens':>8s} {'bytes':>12s} "
         f"{'restore_s':>9s} {'GB/s':>6s} {'store_GB/s':>10s} {'raw_GB/s':>8s} {'ratio':>6s} {'vs_raw':>7s} {'cpu_s/GiB':>9s} {'store_cpu':>9s} {'exact':>5s} {'upstream':>8s}"
+        + (f" {'h2d_GB/s':>8s}" if args.device == "cuda" else "")
     )
     print(hdr)
     small: list[tuple[int, float, float, float]] = []  # (context, R, F, U)
@@ -615,10 +646,11 @@ def main(argv: list[str] | None = None) -> int:
                     cpu_gib = ours["cpu"] / (total / 2**30) if total else float("nan")
                     store_cpu_gib = statistics.median(r["cpu"] for r in reads) / (read_bytes / 2**30)
                     ratio = gbps / store_gbps if not math.isnan(store_gbps) else float("nan")
+                    h2d = f" {total / measure_h2d(total) / 1e9:>8.2f}" if args.device == "cuda" and total else ""
                     print(
                         f"{m.name:20s} {context:>8d} {label:>6s} {ours['host']:>8d} {ours['loaded']:>8d} {total:>12d} "
                         f"{ours['wall']:>9.3f} {gbps:>6.2f} {store_gbps:>10.2f} {raw_gbps:>8.2f} {ratio:>6.2f} {gbps / raw_gbps:>7.2f} {cpu_gib:>9.2f} {store_cpu_gib:>9.2f} "
-                        f"{ours['exact']!s:>5s} {'-' if up is None else up:>8}",
+                        f"{ours['exact']!s:>5s} {'-' if up is None else up:>8}{h2d}",
                         flush=True,
                     )
                     if label == "1/16":
@@ -660,17 +692,33 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if guard and problems else 0
 
 
-def prepare() -> None:
-    """What every run of this benchmark (and agent_switch's) sets up first: the CPU
-    switch, the hicache and storage patches, upstream's host reserve lowered to 1 GiB
-    and one intra-op thread; warnings and library logging off."""
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return f"cuda ({torch.cuda.get_device_name()}, torch {torch.__version__})"
+    return f"cpu (the CPU stand-in, torch {torch.__version__})"
+
+
+def prepare(device: str = "cpu") -> None:
+    """What every run of this benchmark (and agent_switch's, stall_bench's) sets up
+    first: the device the stacks use (`cpu`: the CPU switch; `cuda`: a GPU, through
+    SGLANG_L3_TEST_DEVICE, which every HybridSpec reads), the hicache and storage
+    patches, upstream's host reserve lowered to 1 GiB and one intra-op thread;
+    warnings and library logging off."""
     warnings.filterwarnings("ignore")
     import logging
 
     logging.disable(logging.WARNING)
-    import sglang_l3.cpu
+    os.environ["SGLANG_L3_TEST_DEVICE"] = device
+    from sglang_l3.testing.device import DeviceUnavailable, stack_device
 
-    sglang_l3.cpu.enable()
+    try:
+        on = stack_device()
+    except DeviceUnavailable as e:
+        raise SystemExit(f"{os.path.basename(sys.argv[0])}: --device {device}: {e}") from None
+    if on == "cpu":
+        import sglang_l3.cpu
+
+        sglang_l3.cpu.enable()
     from sglang_l3.patches import framework
 
     framework.apply_all([s for s in framework.load_series() if s.group in ("hicache", "storage")])

@@ -42,6 +42,11 @@ the device thread); D = device->host index reads during the run (upstream's load
 at admission reads its own; none per piece since issue 33).
 `--read-device-indices` hands each piece copy R's device indices instead of their host
 copy (issue 33's fix reverted: a device sync per piece), to show what that costs.
+`--device cuda` (a CUDA/ROCm GPU) runs the stacks there: A's forward workload is a
+matmul on the GPU, waited for at the end of each step (the scheduler reads the sampled
+token), and the restore runs on upstream's real load stream; the runs are `no restore`
+and `restore, cuda device` (no simulator, no synchronous CPU path: the last line's
+gap_p99_sync_ms prints nan, and device_index_reads the -1 of "not counted").
 Not a test: numbers only.
 
 Example: nice -n 10 python benchmark/stall_bench.py --context 65536 --buffer 0.25
@@ -56,7 +61,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -64,7 +68,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from restore_bench import MODELS, PAGE, buffer_args, free_memory, host_budget, hybrid_spec, touch_host_pools  # noqa: E402
+from restore_bench import (  # noqa: E402
+    MODELS,
+    PAGE,
+    buffer_args,
+    device_name,
+    free_memory,
+    host_budget,
+    hybrid_spec,
+    prepare,
+    touch_host_pools,
+)
 
 A_CONTEXT = 512  # request A's prefix (resident), it decodes after that
 
@@ -75,7 +89,7 @@ class Run:
     gaps: list[float] = field(default_factory=list)  # seconds, while B streams
     copy_in_tick: list[float] = field(default_factory=list)  # wall seconds issuing piece copies per tick
     copy_cpu_in_tick: list[float] = field(default_factory=list)  # the scheduler thread's CPU seconds in it
-    device_reads: int = 0  # device->host index reads the simulated device counted (async run)
+    device_reads: int = 0  # device->host index reads the simulated device counted (async run; -1: not counted)
     exact: bool = True
     pieces: int = 0
 
@@ -93,13 +107,15 @@ class Decoder:
         self.ids = [(i * 31) % 50_000 + 7 for i in range(len(self.rows))]
         st.fill_kv(self.rows[:A_CONTEXT], self.ids[:A_CONTEXT], 0)
         self.pos = A_CONTEXT
-        self.x = torch.randn(512, 512)
+        self.x = torch.randn(512, 512, device=st.spec.device)
         self.reps = reps
 
     def step(self) -> None:
         y = self.x
         for _ in range(self.reps):
             y = torch.tanh(y @ self.x)
+        if y.is_cuda:
+            torch.cuda.synchronize()  # the scheduler waits for the sampled token
         i = self.pos % len(self.rows)
         self.st.fill_kv(self.rows[i : i + 1], self.ids[i : i + 1], self.pos)
         self.pos += 1
@@ -108,15 +124,17 @@ class Decoder:
         self.st.allocator.free(self.rows)
 
 
-def calibrate(ms: float) -> int:
-    """Matmul steps that take ~`ms` here (once, so every run does the same work)."""
-    x = torch.randn(512, 512)
+def calibrate(ms: float, device: str = "cpu") -> int:
+    """Matmul steps that take ~`ms` on `device` (once, so every run does the same work)."""
+    x = torch.randn(512, 512, device=device)
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
         y = x
         for _ in range(10):
             y = torch.tanh(y @ x)
+        if y.is_cuda:
+            torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t0) / 10)
     return max(1, int(ms / 1000 / best))
 
@@ -158,6 +176,8 @@ def run(
             dec.close()
             if sim is not None:
                 out.device_reads = sim_streams.stats()["device_reads"]
+            elif device == "cuda":
+                out.device_reads = -1
             del st
     finally:
         sr._copy_to_device = copy
@@ -216,23 +236,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="negative control: piece copies read R's device indices to host (issue 33's fix reverted)",
     )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu: the CPU stand-in (synchronous and simulated asynchronous device); cuda: a CUDA/ROCm GPU",
+    )
     args = ap.parse_args(argv)
 
-    warnings.filterwarnings("ignore")
-    import logging
-
-    logging.disable(logging.WARNING)
-    import sglang_l3.cpu
-
-    sglang_l3.cpu.enable()
-    from sglang_l3.patches import framework
-
-    framework.apply_all([s for s in framework.load_series() if s.group in ("hicache", "storage")])
-    import sglang.srt.mem_cache.pool_host.base as host_base
-
-    host_base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 1 << 30  # the only process; see restore_bench
-    torch.set_num_threads(1)  # the copy engine and the scheduler each get one core
-    args.reps = calibrate(args.decode_ms)
+    # restore_bench's set-up: the device, the patches, upstream's host reserve lowered,
+    # one intra-op thread (the copy engine and the scheduler each get one core)
+    prepare(args.device)
+    args.reps = calibrate(args.decode_ms, args.device)
 
     from sglang_l3.testing.stack import L3Stack
 
@@ -249,11 +264,17 @@ def main(argv: list[str] | None = None) -> int:
             w.write(seq, marker=2.0)
             w.settle(timeout=3600)
         free_memory()
-        runs = [
-            run("no restore", spec, store, seq, buffer_tokens, args, restore=False, device="sync"),
-            run("restore, sync device", spec, store, seq, buffer_tokens, args, restore=True, device="sync"),
-            run("restore, async device", spec, store, seq, buffer_tokens, args, restore=True, device="async"),
-        ]
+        if args.device == "cuda":
+            runs = [
+                run("no restore", spec, store, seq, buffer_tokens, args, restore=False, device="cuda"),
+                run("restore, cuda device", spec, store, seq, buffer_tokens, args, restore=True, device="cuda"),
+            ]
+        else:
+            runs = [
+                run("no restore", spec, store, seq, buffer_tokens, args, restore=False, device="sync"),
+                run("restore, sync device", spec, store, seq, buffer_tokens, args, restore=True, device="sync"),
+                run("restore, async device", spec, store, seq, buffer_tokens, args, restore=True, device="async"),
+            ]
     finally:
         if args.dir is None:
             shutil.rmtree(store, ignore_errors=True)
@@ -262,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"# {m.name} one TP=2 rank: B = {args.context} tokens in L3, host buffer {buffer_tokens} tokens "
         f"(pieces of ~{piece} tokens, {piece * m.kv_bytes_per_token() / 2**20:.0f} MiB), A decodes with "
-        f"~{args.decode_ms:g} ms of forward work per token; {args.repeat} restores per run; torch threads 1"
+        f"~{args.decode_ms:g} ms of forward work per token; {args.repeat} restores per run; torch threads 1; "
+        f"device {device_name(args.device)}"
         + ("; piece copies read device indices (--read-device-indices)" if args.read_device_indices else "")
     )
     print(
@@ -276,10 +298,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{1e3 * max(r.copy_cpu_in_tick, default=0.0):15.2f} {r.pieces:6d} {r.device_reads:9d} {str(r.exact):>5s}"
         )
     base = statistics.median(runs[0].gaps)
-    a = runs[2]
+    a = runs[-1]
+    sync = f"{1e3 * runs[1].pct(0.99):.1f}" if len(runs) == 3 else "nan"
     print(
         f"gap_p99_ms={1e3 * a.pct(0.99):.1f} gap_p99_no_restore_ms={1e3 * runs[0].pct(0.99):.1f} "
-        f"gap_p99_sync_ms={1e3 * runs[1].pct(0.99):.1f} "
+        f"gap_p99_sync_ms={sync} "
         f"stall_p99_ms={1e3 * (a.pct(0.99) - base):.1f} stall_max_ms={1e3 * (max(a.gaps) - base):.1f} "
         f"copy_issue_max_ms={1e3 * max(a.copy_in_tick, default=0.0):.2f} device_index_reads={a.device_reads}"
     )

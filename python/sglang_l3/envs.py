@@ -157,6 +157,14 @@ _VARS = (
         "SGLANG_L3_E2E_TP2_DEVICE", "cpu", "device of the TP=2 e2e servers (cuda on a machine with >= 2 GPUs)", "tests"
     ),
     EnvVar(
+        "SGLANG_L3_TEST_DEVICE",
+        "cpu",
+        "device of the cache stacks the integration tests and benchmarks build (sglang_l3.testing.device): cpu "
+        "(CPU pools, the simulated device) or cuda (a CUDA/ROCm GPU: real streams and events, no simulator; "
+        "test/gpu/device_check.sh sets it); test faults are honoured there too",
+        "tests",
+    ),
+    EnvVar(
         "SGLANG_L3_TEST_FORK_LAUNCHER",
         "0",
         "1: sglang_l3.testing.server.Server starts launchers from a per-process fork server "
@@ -179,7 +187,7 @@ _VARS = (
         "restore's fence on the forward stream, to prove the simulated-stream tests catch it; stream-hold@PATH makes "
         "streamed restores start no read while PATH exists (at most 120 s), to queue requests behind a stream in "
         "flight; read-hold@PATH blocks a streamed restore's reads past the first K pieces (K: PATH's content) while "
-        "PATH exists (at most 120 s), to abort a request with reads in flight; honoured only while the CPU switch or the simulated device is active (sglang_l3.faults), ignored "
+        "PATH exists (at most 120 s), to abort a request with reads in flight; honoured only while the CPU switch or the simulated device is active, or SGLANG_L3_TEST_DEVICE=cuda (sglang_l3.faults), ignored "
         "elsewhere; never set in production",
         "tests",
     ),

@@ -5,7 +5,9 @@ machinery: the simulated device (`sglang_l3.sim.streams`) imports it and reports
 itself installed (`simulated_device`), never the other way round.
 
 A fault is honoured only while the CPU switch (`sglang_l3.cpu`: tests, `make demo`)
-or the simulated device is active in this process: on a served GPU the variable is
+or the simulated device is active in this process, or the test harness runs its cache
+stacks on a GPU (SGLANG_L3_TEST_DEVICE=cuda, test/gpu/device_check.sh, so the fence's
+negative control runs on a real device): on a served GPU the variable is
 ignored (one warning), so a stray setting can never remove a real fence or hold a real
 server's restores. Without the variable every question is answered at once ("no").
 
@@ -84,10 +86,12 @@ def simulated_device(installed: bool) -> None:
 
 
 def honoured() -> bool:
-    """Faults apply here: the CPU switch is on (no accelerator) or the simulated device is installed."""
-    from sglang_l3 import cpu
+    """Faults apply here: the CPU switch is on (no accelerator), the simulated device is
+    installed, or the tests run their stacks on a GPU (read here, not through
+    sglang_l3.testing: the runtime imports no harness)."""
+    from sglang_l3 import cpu, envs
 
-    return _SIMULATED[0] or cpu.enabled()
+    return _SIMULATED[0] or cpu.enabled() or envs.value("SGLANG_L3_TEST_DEVICE").strip().lower() == "cuda"
 
 
 def active(name: str) -> bool:
@@ -99,7 +103,9 @@ def active(name: str) -> bool:
         if not _WARNED[0]:
             _WARNED[0] = True
             logger.warning(
-                "sglang-l3: %s ignored: test faults apply only with the CPU switch or the simulated device", ENV
+                "sglang-l3: %s ignored: test faults apply only with the CPU switch, the simulated device or "
+                "SGLANG_L3_TEST_DEVICE=cuda",
+                ENV,
             )
         return False
     return name in _settings() and name not in _SPENT

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from sglang_l3.patches import framework
 from sglang_l3.sim.harness import seeds, simulated_device
+from sglang_l3.testing.device import SIM_ONLY_REASON, on_gpu
 from sglang_l3.testing.stack import TREE_CORES
 
 
@@ -39,7 +40,10 @@ def core(request) -> str:
 # Every test of these files moves data through HiCache: it runs on the simulated
 # asynchronous device (sglang_l3.sim.harness), under the first seed; the tests (or
 # parameter sets) marked `all_seeds` run under every seed. Started with
-# SGLANG_L3_SIM_STREAMS=N, every test of them runs under seed N only.
+# SGLANG_L3_SIM_STREAMS=N, every test of them runs under seed N only. With
+# SGLANG_L3_TEST_DEVICE=cuda they run once, on the GPU's own streams (id "cuda"), and
+# the tests marked `sim_only` (they drive the simulator itself) are skipped.
+ON_GPU = on_gpu()
 SEEDS = seeds()
 SIM_FILES = {
     "test_abort_idle_check.py",
@@ -73,11 +77,17 @@ def pytest_configure(config: pytest.Config) -> None:
         "with params, only the parameter sets whose values are in the given tuples (a test "
         "without that parameter is not constrained by it)",
     )
+    config.addinivalue_line(
+        "markers", "sim_only: drives the simulated device itself (its queues, acks, coins); skipped on a GPU"
+    )
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "sim_device" in metafunc.fixturenames and metafunc.definition.path.name in SIM_FILES:
-        metafunc.parametrize("sim_device", SEEDS, indirect=True, ids=[f"sim{s}" for s in SEEDS])
+        if ON_GPU:
+            metafunc.parametrize("sim_device", [None], indirect=True, ids=["cuda"])
+        else:
+            metafunc.parametrize("sim_device", SEEDS, indirect=True, ids=[f"sim{s}" for s in SEEDS])
 
 
 def _all_seeds(item: pytest.Item) -> bool:
@@ -90,7 +100,10 @@ def _all_seeds(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     keep, drop = [], []
+    skip_sim = pytest.mark.skip(reason=SIM_ONLY_REASON)
     for item in items:
+        if ON_GPU and item.get_closest_marker("sim_only"):
+            item.add_marker(skip_sim)
         seed = getattr(getattr(item, "callspec", None), "params", {}).get("sim_device")
         (drop if seed not in (None, SEEDS[0]) and not _all_seeds(item) else keep).append(item)
     if drop:

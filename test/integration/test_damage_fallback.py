@@ -222,6 +222,7 @@ STREAMED_CASES = [
 ]
 
 
+@pytest.mark.sim_only
 @pytest.mark.all_seeds()
 @pytest.mark.parametrize("pool,page,mode,path", STREAMED_CASES, ids=[f"{p}{i}-{m}" for p, i, m, _ in STREAMED_CASES])
 def test_streamed_damage_restores_up_to_the_checkpoint_below(tmp_path, pool, page, mode, path) -> None:

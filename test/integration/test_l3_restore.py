@@ -87,6 +87,7 @@ def test_closed_stack_leaves_no_store_threads(tmp_path) -> None:
     assert not new_writers(), f"{len(new_writers())} session writer thread(s) left behind"
 
 
+@pytest.mark.sim_only
 @pytest.mark.parametrize("fenced", (True, False))
 def test_a_forward_in_flight_lands_before_the_load_back(tmp_path, fenced: bool) -> None:
     """The harness's forward-stream checks on upstream's own load-back (simulated device):

@@ -22,7 +22,8 @@ from sglang_l3.patches.hicache.streamed_restore import lane_of
 from sglang_l3.sim import streams as sim_streams
 from streamed_support import back_to_baseline, context, make_spec, pump, reader, write
 
-pytestmark = pytest.mark.all_seeds()
+# Every test here watches the simulated device's queues (pending copies, device reads).
+pytestmark = [pytest.mark.all_seeds(), pytest.mark.sim_only]
 
 
 def _stream_of(st, h):

@@ -256,6 +256,7 @@ def test_watchdog_ends_the_hang(tmp_path, monkeypatch) -> None:
 HELD_PASSES = 20  # idle passes the abandoned stream stays `aborting` with its acks held
 
 
+@pytest.mark.sim_only
 @pytest.mark.l3_wait_abandoned_expected
 def test_watchdog_abandons_once_while_the_stream_aborts(tmp_path, monkeypatch) -> None:
     """Issue 33 (seen under seed 7): the watchdog (verify mode) abandons X1 while copies

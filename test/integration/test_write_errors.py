@@ -30,6 +30,7 @@ def _page_files(root: str) -> list[str]:
     return os.listdir(os.path.join(root, "pages"))
 
 
+@pytest.mark.sim_only
 def test_failed_writes_reach_l3_after_the_fault_without_a_flush(
     tmp_path, core: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

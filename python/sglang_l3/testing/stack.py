@@ -1,11 +1,13 @@
-"""The real upstream cache stack for a Mamba-hybrid model, on CPU.
+"""The real upstream cache stack for a Mamba-hybrid model, on CPU or a GPU.
 
 UnifiedRadixCache (Rust or Python tree core) + HybridCacheController +
 buffer-only HiCache + the `file` storage backend, over real device pools
-(HybridReqToTokenPool/MambaPool, HybridLinearKVPool) allocated on "cpu".
-Used by the integration tests, `make demo` and the soak benchmark; needs
+(HybridReqToTokenPool/MambaPool, HybridLinearKVPool) allocated on the spec's
+device (`sglang_l3.testing.device`: "cpu" unless SGLANG_L3_TEST_DEVICE=cuda).
+Used by the integration tests, `make demo` and the benchmarks. On "cpu" it needs
 `sglang_l3.cpu.enable()` first (the stack then applies patch cpu-host-pools
-itself if the queue has not been applied since). Nothing here re-implements upstream logic: it
+itself if the queue has not been applied since); on "cuda" upstream's own host
+pools, streams and events run as they do in a server. Nothing here re-implements upstream logic: it
 only calls the APIs the scheduler calls, in the order it calls them.
 """
 
@@ -24,7 +26,20 @@ from typing import Any
 
 import torch
 
-TREE_CORES = ("rust", "python")
+from sglang_l3.testing.device import stack_device
+
+
+def _tree_cores() -> tuple[str, ...]:
+    from sglang_l3.tree_core import rust_core_mismatch
+
+    return ("python",) if rust_core_mismatch() else ("rust", "python")
+
+
+# The cores the tests run on: the Python core only where the Rust one does not match
+# this torch (sglang_l3.tree_core; the borrowed GPU's torch 2.11), and a stack asked
+# for "rust" there runs the Python core, saying so once.
+TREE_CORES = _tree_cores()
+ALL_TREE_CORES = ("rust", "python")
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,8 @@ class HybridSpec:
     mamba_state_size: int = 16
     mamba_conv_kernel: int = 4
     ssm_dtype: str = "bfloat16"
+    # "cpu" or "cuda" (sglang_l3.testing.device; SGLANG_L3_TEST_DEVICE when not given)
+    device: str = field(default_factory=stack_device)
 
     @property
     def mamba_layer_ids(self) -> list[int]:
@@ -86,7 +103,9 @@ class ForwardRead:
 
     rows: int
     mamba_slots: list[int] = field(default_factory=list)
-    kv: list[tuple[int, int]] = field(default_factory=list)  # (layer, rows that differ)
+    # (layer, rows that differ): a device tensor until the forward stream is drained, so
+    # queuing the read never blocks the host on the copies it waits for (on a GPU)
+    kv: list[tuple[int, int | torch.Tensor]] = field(default_factory=list)
     mamba: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)
 
 
@@ -161,14 +180,36 @@ def pump(cache: Any, cond: Callable[[], bool], what: str, timeout: float = 120.0
     raise RestoreFailed(f"timed out waiting for: {what}")
 
 
+_SWAP_NOTED: list[bool] = [False]
+
+
+def _note_core_swap(asked: str) -> None:
+    from sglang_l3.tree_core import rust_core_mismatch
+
+    if not _SWAP_NOTED[0]:
+        _SWAP_NOTED[0] = True
+        import logging
+
+        logging.getLogger("sglang_l3.testing").warning(
+            "L3Stack: tree core %r asked for, the Python core runs instead (%s)", asked, rust_core_mismatch()
+        )
+
+
 def ensure_cpu_host_pools() -> None:
     """The CPU switch is on but the queue ran before it was (or never ran):
-    apply cpu-host-pools now, as sglang_l3.cpu.enable() used to."""
+    apply cpu-host-pools now, as sglang_l3.cpu.enable() used to. Without the
+    switch a CPU stack has no host transfer ops: say so instead of failing later."""
     import sglang_l3.cpu
     from sglang_l3.patches import framework
 
-    if framework.is_applied("cpu-host-pools") or not sglang_l3.cpu.enabled():
+    if framework.is_applied("cpu-host-pools"):
         return
+    if not sglang_l3.cpu.enabled():
+        raise RuntimeError(
+            "a cache stack on cpu needs the CPU switch (sglang_l3.cpu.enable(): "
+            f"{sglang_l3.cpu.not_applicable_reason()}); on a machine with a GPU, run the stacks there "
+            "with SGLANG_L3_TEST_DEVICE=cuda"
+        )
     series = framework.load_series()
     st = framework.apply_one(next(s for s in series if s.id == "cpu-host-pools"), series)
     if st.state is not framework.State.APPLIED:
@@ -204,9 +245,13 @@ class L3Stack:
         from sglang.srt.runtime_context import get_parallel
         from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
+        if tree_core not in ALL_TREE_CORES:
+            raise ValueError(f"tree_core must be one of {ALL_TREE_CORES}")
         if tree_core not in TREE_CORES:
-            raise ValueError(f"tree_core must be one of {TREE_CORES}")
-        ensure_cpu_host_pools()
+            _note_core_swap(tree_core)
+            tree_core = TREE_CORES[0]
+        if spec.device == "cpu":
+            ensure_cpu_host_pools()
         self.spec = spec
         self.storage_dir = storage_dir
         self._exit = contextlib.ExitStack()
@@ -289,7 +334,7 @@ class L3Stack:
             mamba_size=s.mamba_cache_size,
             mamba_spec_state_size=s.max_num_reqs,
             max_context_len=s.max_context_len,
-            device="cpu",
+            device=s.device,
             enable_memory_saver=False,
             cache_params=cache_params,
             mamba_layer_ids=s.mamba_layer_ids,
@@ -303,17 +348,17 @@ class L3Stack:
             head_num=s.head_num,
             head_dim=s.head_dim,
             full_attention_layer_ids=list(s.full_attention_layer_ids),
-            device="cpu",
+            device=s.device,
             enable_memory_saver=False,
             mamba_pool=rtp.mamba_pool,
         )
         if s.page_size > 1:
             allocator: Any = PagedTokenToKVPoolAllocator(
-                size=s.kv_size, page_size=s.page_size, dtype=s.dtype, device="cpu", kvcache=kv_pool, need_sort=False
+                size=s.kv_size, page_size=s.page_size, dtype=s.dtype, device=s.device, kvcache=kv_pool, need_sort=False
             )
         else:
             allocator = TokenToKVPoolAllocator(
-                size=s.kv_size, dtype=s.dtype, device="cpu", kvcache=kv_pool, need_sort=False
+                size=s.kv_size, dtype=s.dtype, device=s.device, kvcache=kv_pool, need_sort=False
             )
         params = CacheInitParams(
             req_to_token_pool=rtp,
@@ -428,8 +473,9 @@ class L3Stack:
 
     def fill_kv(self, rows: torch.Tensor, token_ids: list[int], start_pos: int) -> None:
         """What a model would write: KV as a function of (token id, position, layer)."""
-        ids = torch.tensor(list(token_ids), dtype=torch.float32)
-        pos = torch.arange(start_pos, start_pos + len(ids), dtype=torch.float32)
+        dev = self.kv_pool.get_key_buffer(self.kv_pool.start_layer).device
+        ids = torch.tensor(list(token_ids), dtype=torch.float32, device=dev)
+        pos = torch.arange(start_pos, start_pos + len(ids), dtype=torch.float32, device=dev)
         base = ((ids % 251) / 8 + (pos % 61) / 4).view(-1, 1, 1)
         for layer in range(self.kv_pool.start_layer, self.kv_pool.start_layer + self.kv_pool.layer_num):
             kb, vb = self.kv_pool.get_key_buffer(layer), self.kv_pool.get_value_buffer(layer)
@@ -447,9 +493,10 @@ class L3Stack:
     def _expected_kv_at(
         self, ids: torch.Tensor, pos: torch.Tensor, layer: int | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        base = ((ids.float() % 251) / 8 + (pos.float() % 61) / 4).view(-1, 1, 1)
         layer = self.kv_pool.start_layer if layer is None else layer
         kb = self.kv_pool.k_buffer[layer - self.kv_pool.start_layer]
+        ids, pos = ids.to(kb.device), pos.to(kb.device)
+        base = ((ids.float() % 251) / 8 + (pos.float() % 61) / 4).view(-1, 1, 1)
         shape = (len(ids),) + tuple(kb.shape[1:])
         return (base + layer).expand(shape).to(kb.dtype), (-base - layer).expand(shape).to(kb.dtype)
 
@@ -488,7 +535,7 @@ class L3Stack:
                 return
             want_k, want_v = self._expected_kv_at(token_ids, positions, local)
             bad = (k[rows] != want_k).flatten(1).any(1) | (v[rows] != want_v).flatten(1).any(1)
-            out.kv.append((local, int(bad.sum())))
+            out.kv.append((local, bad.sum()))
 
         def read_mamba(i: int, layer: int) -> None:
             out.mamba.append((layer, [mc.temporal[i, slots].clone()] + [c[i, slots].clone() for c in mc.conv]))
@@ -521,7 +568,8 @@ class L3Stack:
     def check_forward_read(self, read: ForwardRead) -> None:
         """The forward read the KV fill_kv wrote in every row it read."""
         assert len(read.kv) == len(self.spec.full_attention_layer_ids), "the forward read has not run"
-        for layer, bad in read.kv:
+        for layer, n in read.kv:
+            bad = int(n)
             if bad:
                 raise RestoreFailed(
                     f"the forward pass read wrong KV in layer {layer}: {bad} of {read.rows} restored rows differ "
