@@ -1,6 +1,7 @@
 """`sglang-l3 doctor`: is this installation what sglang-l3 expects?
 
-Versions, platform, plugin discovery, every patch's state (applied / disabled /
+Versions, platform, plugin discovery, the radix-tree core against this torch,
+every patch's state (applied / disabled /
 drifted / not applicable / failed — found by actually running the queue in this
 process, not assumed), the L3 store directory, and subsystem reports
 (storage, quantization) where those modules are installed.
@@ -107,6 +108,28 @@ def check_patches() -> Check:
     return Check("patches", not bad, detail, {"patches": rows})
 
 
+def check_tree_core() -> Check:
+    """The radix-tree core a server would run here, and whether it matches this torch."""
+    from sglang_l3 import tree_core
+
+    try:
+        selected = tree_core.selected_core()
+        why = tree_core.rust_core_mismatch()
+    except Exception as e:  # sglang or torch missing: check_versions says so
+        return Check("tree core", False, f"cannot tell: {type(e).__name__}: {e}")
+    data = {"selected": selected, "rust_mismatch": why}
+    if why is None:
+        return Check("tree core", True, f"{selected} (the Rust core matches this torch)", data)
+    if selected == "python":
+        return Check("tree core", True, f"python ({why})", data)
+    return Check(
+        "tree core",
+        False,
+        f"{selected}: {why}, and it panics there; set {tree_core.ENV}=python (the tests use the Python core)",
+        data,
+    )
+
+
 def store_dir_from_env() -> str:
     for var in ("SGLANG_L3_STORE_DIR", "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"):
         if os.environ.get(var):
@@ -166,7 +189,14 @@ def stats() -> dict[str, Any]:
 
 
 def run(store_dir: str | None = None, with_stats: bool = False) -> tuple[bool, list[Check]]:
-    checks = [check_versions(), check_platform(), check_plugin(), check_patches(), check_store_dir(store_dir)]
+    checks = [
+        check_versions(),
+        check_platform(),
+        check_plugin(),
+        check_tree_core(),
+        check_patches(),
+        check_store_dir(store_dir),
+    ]
     checks += check_sections(store_dir)
     if with_stats:
         checks.append(Check("stats", True, "counters", stats()))

@@ -135,6 +135,31 @@ def test_drifted_target_is_refused(clean, monkeypatch) -> None:
     assert fpt.Greeter().hello("x") == "hello x!"
 
 
+def test_drifted_cosmetic_patch_is_skipped_saying_why(clean, caplog) -> None:
+    """A patch that only changes what is logged (series `cosmetic = true`) does not stop
+    a start where its target drifted (a torch other than the pin's): it is skipped, not
+    applied, and the status and the log say why."""
+    import dataclasses
+
+    spec = dataclasses.replace(_spec("t-drift", {TARGETS[0]: "sha256:0000000000000000"}), cosmetic=True)
+    with caplog.at_level("WARNING", logger="sglang_l3.patches"):
+        st = framework.apply_one(spec)
+    assert st.state is State.NOT_APPLICABLE
+    assert "cosmetic patch skipped" in st.detail and "Greeter.hello" in st.detail
+    assert fpt.Greeter().hello("x") == "hello x", "a skipped patch must change nothing"
+    assert any("t-drift skipped" in r.getMessage() for r in caplog.records)
+
+
+def test_series_cosmetic_flag_is_a_boolean(tmp_path) -> None:
+    text = framework.SERIES_PATH.read_text()
+    assert "cosmetic = true" in text, "quiet-extension-lock is the cosmetic patch"
+    assert next(s for s in framework.load_series() if s.id == "quiet-extension-lock").cosmetic
+    bad = tmp_path / "series.toml"
+    bad.write_text(text.replace("cosmetic = true", 'cosmetic = "yes"'))
+    with pytest.raises(PatchError, match="quiet-extension-lock.*cosmetic"):
+        framework.load_series(bad)
+
+
 def test_missing_target_names_patch_and_target(clean) -> None:
     spec = PatchSpec(
         "t-missing",

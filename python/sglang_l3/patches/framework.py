@@ -66,6 +66,9 @@ class PatchSpec:
     requires: tuple[str, ...] = ()  # patch ids applied (and required APPLIED) first
     how: str = ""  # what the patch does (why: the upstream defect)
     upstream_none: str = ""  # why there is no upstream reference
+    # changes only what is logged: where a target drifted (a torch other than the pin's,
+    # say) the patch is skipped with a logged reason instead of refusing the start
+    cosmetic: bool = False
 
     @property
     def kinds(self) -> frozenset[str]:
@@ -147,9 +150,17 @@ def load_series(path: Path = SERIES_PATH) -> list[PatchSpec]:
                 requires=requires,
                 how=entry.get("how", "").strip(),
                 upstream_none=entry.get("upstream_none", "").strip(),
+                cosmetic=_flag(pid, entry, "cosmetic"),
             )
         )
     return specs
+
+
+def _flag(pid: str, entry: dict[str, Any], key: str) -> bool:
+    value = entry.get(key, False)
+    if not isinstance(value, bool):
+        raise PatchError(f"series.toml: patch {pid!r} has {key} = {value!r} (true or false)")
+    return value
 
 
 # --------------------------------------------------------------------------- #
@@ -403,6 +414,13 @@ def apply_one(spec: PatchSpec, series: list[PatchSpec] | None = None) -> PatchSt
             return status
         drift = check_spec(spec)  # raises PatchError on a missing target
         status.drift = drift
+        if drift and not allow_drift() and spec.cosmetic:
+            # Nothing but a log line depends on it: skip, say so, start.
+            found = "; ".join(f"{p}: expected {e}, found {a}" for p, (e, a) in drift.items())
+            status.state = State.NOT_APPLICABLE
+            status.detail = f"cosmetic patch skipped: its target drifted ({found})"
+            logger.warning("sglang-l3: patch %s skipped: %s", spec.id, status.detail)
+            return status
         if drift and not allow_drift():
             status.state = State.DRIFTED
             status.detail = "; ".join(f"{p}: expected {e}, found {a}" for p, (e, a) in drift.items())
