@@ -24,7 +24,7 @@ HERMES        ?= 1
 HERMES_VENV   ?= .venv-hermes
 HERMES_STAMP  := $(HERMES_VENV)/.hermes-installed
 
-.PHONY: install install-mooncake install-hermes lint test test-fast test-upstream test-agents demo demo-stack demo-server bench bench-check soak doctor
+.PHONY: install install-mooncake install-hermes lint test test-fast test-upstream test-agents demo demo-stack demo-server bench bench-check soak doctor gpu-kit
 
 install: $(STAMP) $(if $(filter 1,$(MOONCAKE)),$(MC_STAMP)) $(if $(filter 1,$(HERMES)),$(HERMES_STAMP))
 
@@ -127,3 +127,8 @@ soak: install
 
 doctor: install
 	$(VENV)/bin/sglang-l3 doctor
+
+# The kit a lent GPU machine (Python 3.12, torch 2.11, no SGLang, no index) needs for
+# test/gpu/device_check.sh's cache steps: .gpukit/{site.tar.xz,manifest.json} (docs/testing.md)
+gpu-kit: install
+	$(PY) test/gpu/build_kit.py
