@@ -6,6 +6,7 @@
 #
 #   bash test/gpu/device_check.sh            # on the GPU machine, from the repo root
 #   bash test/gpu/device_check.sh --dry-run  # anywhere: checks the script's logic
+#   bash test/gpu/device_check.sh --only cache   # one part: gptq (steps 1-2) or cache (5)
 #
 # What runs (torch + Triton only; sglang is not needed and not installed):
 #   1. the compiled GPTQ Triton kernels against the torch reference
@@ -18,15 +19,34 @@
 #      fp16 dense torch.matmul in the same run, eager and graph-replayed (the
 #      "/ dense" columns are the ratios; issue 53's target is judged on them),
 #      then --sweep: alternative decode configs, for the per-arch table
-# --dry-run runs both on the CPU under the Triton interpreter (small shapes,
-# nothing timed): every new kernel and table config checked against the reference.
+#   5. the cache steps (test/gpu/cache_check.sh, issue 52): SGLang from the carried
+#      kit (.gpukit/, built here by test/gpu/build_kit.py) unless installed, doctor,
+#      the HiCache integration selection on the GPU (SGLANG_L3_TEST_DEVICE=cuda), the
+#      fence's negative control, restore_bench --device cuda at 32K and 131K.
+# --dry-run runs steps 1-2 on the CPU under the Triton interpreter (small shapes,
+# nothing timed): every new kernel and table config checked against the reference;
+# and step 5 on the CPU stack (see cache_check.sh). Budgets (seconds, of 450 in all):
+# the cache steps DEVICE_CHECK_CACHE_S (200), the benchmark DEVICE_CHECK_BENCH_S (110),
+# the kernel check the rest; with --only, the part run has the whole budget.
 # Wheels a step needs beyond the image (none so far) travel in ./.whl (git-ignored)
 # and are installed offline into $SITE. Results: $OUT (or /tmp/sglang-l3-device-check):
-# device_check.log, env.txt, gptq_check.json, gptq_bench.txt, gptq_bench.json.
+# device_check.log, env.txt, gptq_check.json, gptq_bench.txt, gptq_bench.json,
+# cache_check.log.
 # Exit: 0 all good; 1 a kernel mismatch; 2 no GPU; 3 setup failed; 4 out of time.
 set -uo pipefail
 DRY=0
-[[ ${1:-} == --dry-run ]] && DRY=1
+ONLY=all
+while (( $# )); do
+    case $1 in
+        --dry-run) DRY=1 ;;
+        --only) ONLY=${2:-}; shift ;;
+        *) echo "device_check.sh: unknown argument $1 (--dry-run, --only gptq|cache)"; exit 3 ;;
+    esac
+    shift
+done
+[[ $ONLY == all || $ONLY == gptq || $ONLY == cache ]] || { echo "device_check.sh: --only gptq or cache"; exit 3; }
+CACHE_S=0
+[[ $ONLY == all ]] && CACHE_S=${DEVICE_CHECK_CACHE_S:-200}
 START=$(date +%s)
 BUDGET=${DEVICE_CHECK_BUDGET_S:-450}   # < 8 min with margin
 PY=${PYTHON:-python3}
@@ -38,7 +58,7 @@ left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 say() { echo "[device_check +$(( $(date +%s) - START ))s] $*"; }
 # the one source of the upstream pin: sglang_l3.SGLANG_PIN (reported, not needed here)
 PIN=$(sed -n 's/^SGLANG_PIN = "\(.*\)"/\1/p' python/sglang_l3/__init__.py)
-[[ -n $PIN && -f test/gpu/gptq_check.py && -f benchmark/gptq_bench.py ]] \
+[[ -n $PIN && -f test/gpu/gptq_check.py && -f benchmark/gptq_bench.py && -f test/gpu/cache_check.sh ]] \
     || { say "run from the repository root"; exit 3; }
 export PYTHONPATH="$SITE:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -75,10 +95,32 @@ if (( ! DRY )) && ! "$PY" -c 'import torch,sys; sys.exit(0 if torch.cuda.is_avai
     say "no GPU visible to $PY's torch: nothing to check"; exit 2
 fi
 
+cache_steps() {
+    local T=$(( $(left) - 5 ))
+    if (( T < 90 )); then say "cache steps skipped: only ${T}s left"; RC=4; return; fi
+    say "cache steps: test/gpu/cache_check.sh (limit ${T}s)"
+    local ARGS=()
+    (( DRY )) && ARGS+=(--dry-run)
+    CACHE_CHECK_BUDGET_S=$T OUT_DIR="$OUT_DIR" PYTHON="$PY" bash test/gpu/cache_check.sh "${ARGS[@]}"
+    local CC=$?
+    case $CC in
+        0) say "cache steps: all passed" ;;
+        4) say "cache steps: out of time"; (( RC )) || RC=4 ;;
+        3) say "cache steps: setup failed"; (( RC )) || RC=3 ;;
+        *) say "cache steps: FAILED (rc=$CC)"; RC=1 ;;
+    esac
+}
+if [[ $ONLY == cache ]]; then
+    cache_steps
+    (( DRY )) && say "dry run: logic checked (the cache steps on the CPU stack)"
+    say "done, rc=$RC (results in $OUT_DIR)"
+    exit "$RC"
+fi
+
 # 2. the compiled Triton kernels against the reference (most of them compile here);
-#    the benchmark keeps BENCH_S
-BENCH_S=${DEVICE_CHECK_BENCH_S:-150}
-T=$(( $(left) - BENCH_S ))
+#    the benchmark keeps BENCH_S, the cache steps CACHE_S
+BENCH_S=${DEVICE_CHECK_BENCH_S:-110}
+T=$(( $(left) - BENCH_S - CACHE_S ))
 say "GPTQ Triton kernels vs reference (limit ${T}s)"
 GC_ARGS=(--json "$OUT_DIR/gptq_check.json" --deadline-s $(( T - 20 )))
 (( DRY )) && GC_ARGS+=(--dry-run)
@@ -91,19 +133,22 @@ case $GC in
 esac
 
 # 3. the decode-shape benchmark, ratio to fp16 dense torch.matmul, old and new side by side
-T=$(( $(left) - 10 ))
-if (( T < 60 )); then say "only ${T}s left: benchmark skipped"; exit 4; fi
-say "benchmark/gptq_bench.py, M = 1..16, K = N = 4096/8192 + Qwen3.5-27B TP=2 layers (limit ${T}s)"
-BENCH=(benchmark/gptq_bench.py --ms 1 2 4 8 16 --sizes 4096 8192 --model Qwen3.5-27B --tp 2 --iters 100
-       --sweep --sweep-deadline-s $(( T - 20 )) --json "$OUT_DIR/gptq_bench.json")
-(( DRY )) && BENCH+=(--dry-run)
-timeout --kill-after=10 "$T" "$PY" "${BENCH[@]}" 2>&1 | tee "$OUT_DIR/gptq_bench.txt"
-GB=${PIPESTATUS[0]}
-case $GB in
-    0) say "gptq_bench: done" ;;
-    124|137) say "gptq_bench: out of time"; RC=4 ;;
-    *) say "gptq_bench: a kernel did not match the reference (rc=$GB)"; RC=1 ;;
-esac
+T=$(( $(left) - 10 - CACHE_S ))
+if (( T < 60 )); then
+    say "only ${T}s left: benchmark skipped"; RC=4
+else
+    say "benchmark/gptq_bench.py, M = 1..16, K = N = 4096/8192 + Qwen3.5-27B TP=2 layers (limit ${T}s)"
+    BENCH=(benchmark/gptq_bench.py --ms 1 2 4 8 16 --sizes 4096 8192 --model Qwen3.5-27B --tp 2 --iters 100
+           --sweep --sweep-deadline-s $(( T - 20 )) --json "$OUT_DIR/gptq_bench.json")
+    (( DRY )) && BENCH+=(--dry-run)
+    timeout --kill-after=10 "$T" "$PY" "${BENCH[@]}" 2>&1 | tee "$OUT_DIR/gptq_bench.txt"
+    GB=${PIPESTATUS[0]}
+    case $GB in
+        0) say "gptq_bench: done" ;;
+        124|137) say "gptq_bench: out of time"; RC=4 ;;
+        *) say "gptq_bench: a kernel did not match the reference (rc=$GB)"; RC=1 ;;
+    esac
+fi
 # 4. TP=2 variants (test/e2e/test_tp2_l3.py on CUDA: P -> flush -> P vs a no-cache
 #    TP=2 server, asymmetric damage to one rank's pages, write failure, abort,
 #    restart, verify mode catching an injected rank disagreement). Needs >= 2 GPUs
@@ -116,7 +161,7 @@ elif (( NGPU < 2 )); then
 elif ! "$PY" -c "import sglang, sys; sys.exit(0 if sglang.__version__ == '$PIN' else 1)" 2>/dev/null; then
     say "TP=2 variants skipped: sglang $PIN is not importable here (carry it in .whl/)"
 else
-    T=$(( $(left) - 10 ))
+    T=$(( $(left) - 10 - CACHE_S ))
     if (( T < 180 )); then
         say "TP=2 variants skipped: only ${T}s left"
     else
@@ -129,6 +174,8 @@ else
         (( RC == 0 )) && RC=$RC2
     fi
 fi
+# 5. the cache steps
+[[ $ONLY == all ]] && cache_steps
 (( DRY )) && say "dry run: logic checked (kernels run by the Triton interpreter on the CPU, nothing timed)"
 say "done, rc=$RC (results in $OUT_DIR)"
 exit "$RC"

@@ -1,7 +1,8 @@
 """test/gpu/device_check.sh --dry-run: the GPU machine's script, its logic checked
 here (environment report, the GPTQ check harness and the benchmark with every new
 Triton kernel and table config run by the Triton interpreter on the CPU,
-benchmark arguments, results under $OUT), without a GPU."""
+benchmark arguments, the cache steps of test/gpu/cache_check.sh on the CPU stack,
+results under $OUT), without a GPU."""
 
 from __future__ import annotations
 
@@ -30,8 +31,19 @@ def test_dry_run(tmp_path: Path) -> None:
     assert out.returncode == 0, log[-3000:]
     assert "gptq_check: all match" in log and "dry run: logic checked" in log
     assert "--ms" not in log  # the command ran, it was not just echoed
-    for name in ("device_check.log", "env.txt", "gptq_check.json", "gptq_bench.txt", "gptq_bench.json"):
+    names = ("device_check.log", "env.txt", "gptq_check.json", "gptq_bench.txt", "gptq_bench.json", "cache_check.log")
+    for name in names:
         assert (tmp_path / name).is_file(), name
+    # what comes back from the GPU machine: at most 8 files, no folders
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "site") == sorted(names)
+
+    # 5. the cache steps, on the CPU stack: doctor, the selection and the fence control
+    # collected, restore_bench through the stack's device switch, every row exact
+    cache = (tmp_path / "cache_check.log").read_text()
+    assert "cache steps: all passed" in log
+    assert "doctor: all good" in cache and "tree core" in cache
+    assert cache.count("tests collected") == 2 and "restore_bench: done" in cache
+    assert "device cpu (the CPU stand-in" in cache and "True" in cache.split("restore_vs_store=")[0].splitlines()[-1]
     assert "sglang pin (not needed here)" in (tmp_path / "env.txt").read_text()
 
     # 1. the kernels, interpreted: every case matched, every table's decode configs ran

@@ -419,7 +419,7 @@ def apply_one(spec: PatchSpec, series: list[PatchSpec] | None = None) -> PatchSt
             found = "; ".join(f"{p}: expected {e}, found {a}" for p, (e, a) in drift.items())
             status.state = State.NOT_APPLICABLE
             status.detail = f"cosmetic patch skipped: its target drifted ({found})"
-            logger.warning("sglang-l3: patch %s skipped: %s", spec.id, status.detail)
+            logger.warning("sglang-l3: patch %s: %s", spec.id, status.detail)
             return status
         if drift and not allow_drift():
             status.state = State.DRIFTED

@@ -145,6 +145,10 @@ def _req_mamba_slot(req: Any) -> int | None:
 PUMP_PERIOD_S = 0.0005
 
 
+# What `inflight_forward_write_then_free` keeps a GPU's forward stream busy for before
+# its write: ~0.5 s at 2 GHz, longer than the restore it races takes to land its copies.
+FORWARD_BUSY_CYCLES = 1_000_000_000
+
 # Longest wait for a streamed-restore piece read before ticking anyway.
 STREAM_WAIT_S = 0.05
 
@@ -592,7 +596,12 @@ class L3Stack:
         rows are freed while the forward pass already launched still writes its last token
         there. Takes every free device KV row, queues a write of `value` into all of them on
         the forward stream, and frees them. Returns the rows. (On a synchronous device the
-        write lands at once and is harmless.)"""
+        write lands at once and is harmless.) On a GPU the forward stream first spins for
+        FORWARD_BUSY_CYCLES (a forward still running), so a copy not fenced behind it lands
+        before the write and is overwritten, as on the simulated device."""
+        if self.spec.device == "cuda":
+            with self.device_module.stream(self.forward_stream):
+                torch.cuda._sleep(FORWARD_BUSY_CYCLES)
         n = self.allocator.available_size()
         rows = self.allocator.alloc(n // self.spec.page_size * self.spec.page_size)
         kv = self.kv_pool
@@ -608,6 +617,14 @@ class L3Stack:
             on_stream(write, "forward-write")
         self.allocator.free(rows)
         return r
+
+    def forward_busy(self) -> bool:
+        """The forward stream still has queued work (the in-flight forward of
+        `inflight_forward_write_then_free` has not run yet)."""
+        pending = getattr(self.forward_stream, "pending", None)
+        if pending is not None:  # the simulated device
+            return bool(pending())
+        return not self.forward_stream.query()
 
     def flush_backups(self) -> None:
         bp = self.cache.buffer_pipeline

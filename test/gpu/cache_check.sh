@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# The cache steps of the device check (issue 52): HiCache's data path on a real GPU.
+# Called by device_check.sh (its budget, its log); alone, from the repo root:
+#
+#   bash test/gpu/cache_check.sh            # on the GPU machine
+#   bash test/gpu/cache_check.sh --dry-run  # anywhere: the same steps on the CPU stack
+#
+# 1. SGLang: importable as installed, or from the carried kit (.gpukit/site.tar.xz,
+#    built here by `python test/gpu/build_kit.py`: SGLang's tree for the pin, the
+#    wheels the GPU image lacks, a test-only sgl_kernel shim binding the direct KV
+#    transfer ops; checked against its manifest, unpacked to $KIT_SITE).
+# 2. `sglang-l3 doctor` there (the tree core against that torch, every patch's state).
+# 3. The integration selection that moves data through HiCache (streamed restore,
+#    fences, damage fallback, bursts, abort, re-anchor, write path) with
+#    SGLANG_L3_TEST_DEVICE=cuda: device pools on the GPU, upstream's load/write
+#    streams and events real, no simulator (its own tests skip, saying so); -n
+#    $CACHE_WORKERS processes.
+# 4. The fence's negative control on the same device: the test that races a forward in
+#    flight (its stream kept busy ~0.5 s on a GPU) against the streamed restore's piece
+#    copies, with SGLANG_L3_TEST_FAULT=skip-load-fence: it must fail, reported either way.
+# 5. benchmark/restore_bench.py --device cuda at 32K and 131K (Qwen3.5-27B, one TP=2
+#    rank): restore vs the store's own read and the raw disk, exactness, and the
+#    GPU's bulk pinned host->device rate (h2d_GB/s).
+# --dry-run: the same steps on the CPU stack (SGLANG_L3_TEST_DEVICE=cpu, the simulated
+# device); the selection and the fence control are collected, not run, unless
+# CACHE_DRY_RUN_TESTS=1; restore_bench runs at 8K, one buffer. With the kit (a Python
+# without sglang, e.g. PYTHON=<3.12 venv with torch 2.11>), the dry run also imports
+# every module the unit and integration tests load with SGLang's is_cuda() forced
+# (test/gpu/kit_check.py: the shim's branches, which the GPU takes for real).
+# Everything goes to stdout and $OUT_DIR/cache_check.log. Exit: 0 all passed; 1 a
+# test or the benchmark failed; 3 setup failed; 4 out of time.
+set -uo pipefail
+DRY=0
+[[ ${1:-} == --dry-run ]] && DRY=1
+START=$(date +%s)
+BUDGET=${CACHE_CHECK_BUDGET_S:-210}
+PY=${PYTHON:-python3}
+OUT_DIR=${OUT_DIR:-${OUT:-/tmp/sglang-l3-device-check}}
+KIT=${KIT:-.gpukit}
+KIT_SITE=${KIT_SITE:-/tmp/sglang-l3-kit}
+WORK=${CACHE_WORK:-/tmp/sglang-l3-cache-check}
+WORKERS=${CACHE_WORKERS:-12}
+mkdir -p "$OUT_DIR" "$WORK"
+exec > >(tee -a "$OUT_DIR/cache_check.log") 2>&1
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+say() { echo "[cache_check +$(( $(date +%s) - START ))s] $*"; }
+[[ -f test/gpu/build_kit.py && -f benchmark/restore_bench.py ]] || { say "run from the repository root"; exit 3; }
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$WORK/torch_extensions}
+RC=0
+
+# 1. SGLang: installed, or the carried kit (the dry run builds a missing or stale one
+#    with the repository's venv, which has what the builder reads)
+KIT_BUILDER=${KIT_BUILDER:-.venv/bin/python}
+if (( DRY )) && ! "$PY" -c 'import sglang' 2>/dev/null && [[ -x $KIT_BUILDER ]] \
+    && ! "$KIT_BUILDER" test/gpu/build_kit.py --check-only --out "$KIT" >/dev/null 2>&1; then
+    say "dry run: building the kit into $KIT ($KIT_BUILDER test/gpu/build_kit.py)"
+    "$KIT_BUILDER" test/gpu/build_kit.py --out "$KIT" || { say "building the kit FAILED"; exit 3; }
+fi
+if "$PY" -c 'import sglang' 2>/dev/null; then
+    say "sglang importable as installed: no kit needed"
+elif [[ -f $KIT/site.tar.xz ]]; then
+    say "unpacking the kit $KIT into $KIT_SITE"
+    "$PY" test/gpu/build_kit.py --check-only --out "$KIT" || { say "the kit does not match its manifest"; exit 3; }
+    rm -rf "$KIT_SITE" && mkdir -p "$KIT_SITE" && tar -xJf "$KIT/site.tar.xz" -C "$KIT_SITE" \
+        || { say "cannot unpack the kit"; exit 3; }
+    export PYTHONPATH="$KIT_SITE/site:$PYTHONPATH"
+    "$PY" -c 'import sglang' || { say "sglang does not import from the kit"; exit 3; }
+    if (( DRY )); then
+        say "kit: recording the modules the unit and integration tests import, then importing them with is_cuda() forced"
+        "$PY" test/gpu/kit_check.py --record "$WORK/closure.txt" --paths test/integration test/unit > "$WORK/record.log" 2>&1 \
+            || { tail -n 5 "$WORK/record.log"; say "kit: recording the closure FAILED"; exit 3; }
+        "$PY" test/gpu/kit_check.py --closure "$WORK/closure.txt" --force-cuda 2>&1 | grep -v "Warning\|warnings.warn"
+        (( PIPESTATUS[0] == 0 )) || { say "kit: the closure does not import with is_cuda() forced"; RC=1; }
+    fi
+else
+    say "sglang is not importable and there is no kit ($KIT/site.tar.xz): build it with test/gpu/build_kit.py"
+    exit 3
+fi
+if (( DRY )); then
+    export SGLANG_L3_TEST_DEVICE=cpu
+else
+    export SGLANG_L3_TEST_DEVICE=cuda
+fi
+# The Rust tree core is compiled against the torch sglang pins; elsewhere the Python one runs.
+if "$PY" -c 'import sys; from sglang_l3.tree_core import rust_core_mismatch as m; w = m(); print(w or ""); sys.exit(1 if w else 0)'; then
+    :
+else
+    export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python
+    say "tree core: python (SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python)"
+fi
+
+# 2. doctor
+say "sglang-l3 doctor (SGLANG_L3_TEST_DEVICE=$SGLANG_L3_TEST_DEVICE)"
+"$PY" -c 'import sys; from sglang_l3 import cli; sys.exit(cli.main(["doctor"]))' 2>&1 | grep -v "UserWarning\|warnings.warn"
+
+# 3. the integration selection
+SELECTION=(
+    test/integration/test_l3_restore.py
+    test/integration/test_streamed_restore.py
+    test/integration/test_streamed_restore_short.py
+    test/integration/test_streamed_restore_burst.py
+    test/integration/test_streamed_restore_evict.py
+    test/integration/test_damage_fallback.py
+    test/integration/test_abort_idle_check.py
+    test/integration/test_store_restore.py
+    test/integration/test_reanchor.py
+    test/integration/test_stream_fitting_hits.py
+    test/integration/test_streamed_write.py
+    test/integration/test_streamed_restore_async.py
+)
+# the test that races a forward in flight (kept busy on the GPU) against the streamed
+# restore's piece copies; upstream's own load-back fence has its control in the selection
+# (test_l3_restore.py::test_a_forward_in_flight_lands_before_the_load_back[False])
+FENCE=("test/integration/test_streamed_restore_async.py::test_a_forward_in_flight_lands_before_the_piece_copy")
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rfE)
+RUN_TESTS=$(( ! DRY || ${CACHE_DRY_RUN_TESTS:-0} ))
+if (( RUN_TESTS )); then
+    (( DRY )) && WORKERS=${CACHE_WORKERS_DRY:-2}
+    T=$(( $(left) - 100 ))
+    if (( T < 60 )); then say "only ${T}s left for the selection"; exit 4; fi
+    say "integration selection on $SGLANG_L3_TEST_DEVICE, -n $WORKERS (limit ${T}s)"
+    timeout --kill-after=15 "$T" "${PYTEST[@]}" -n "$WORKERS" --basetemp "$WORK/sel" "${SELECTION[@]}"
+    SEL=$?
+    case $SEL in
+        0) say "selection: all passed" ;;
+        124|137) say "selection: out of time"; RC=4 ;;
+        *) say "selection: FAILED (rc=$SEL)"; RC=1 ;;
+    esac
+    T=$(( $(left) - 70 ))
+    if (( T < 30 )); then
+        say "fence control skipped: only ${T}s left"
+    else
+        say "fence negative control: SGLANG_L3_TEST_FAULT=skip-load-fence on ${FENCE[*]} (limit ${T}s)"
+        SGLANG_L3_TEST_FAULT=skip-load-fence timeout --kill-after=15 "$T" "${PYTEST[@]}" -n "$WORKERS" \
+            --basetemp "$WORK/fence" "${FENCE[@]}" > "$WORK/fence.log" 2>&1
+        FC=$?
+        tail -n 3 "$WORK/fence.log"
+        case $FC in
+            0) say "fence control: every test passed without the fence: no copy overtook the busy forward stream here" ;;
+            1) say "fence control: the race test FAILED without the fence, as it must (the fence is what orders it)" ;;
+            124|137) say "fence control: out of time" ;;
+            *) say "fence control: pytest rc=$FC (see above)" ;;
+        esac
+    fi
+else
+    say "dry run: collecting the selection and the fence control (CACHE_DRY_RUN_TESTS=1 runs them)"
+    "${PYTEST[@]}" --collect-only "${SELECTION[@]}" | tail -n 1
+    (( PIPESTATUS[0] == 0 )) || { say "selection: collection FAILED"; RC=1; }
+    SGLANG_L3_TEST_FAULT=skip-load-fence "${PYTEST[@]}" --collect-only "${FENCE[@]}" | tail -n 1
+    (( PIPESTATUS[0] == 0 )) || { say "fence control: collection FAILED"; RC=1; }
+fi
+
+# 5. restore_bench on the device
+T=$(( $(left) - 5 ))
+if (( T < 40 )); then say "restore_bench skipped: only ${T}s left"; exit $(( RC ? RC : 4 )); fi
+if (( DRY )); then
+    RB=(benchmark/restore_bench.py --device cpu --contexts 8192 --models Qwen3.5-27B --buffers 1/16 --repeat 1 --no-upstream)
+else
+    RB=(benchmark/restore_bench.py --device cuda --contexts 32768,131072 --models Qwen3.5-27B --repeat 1 --no-upstream)
+fi
+say "${RB[*]} (limit ${T}s)"
+timeout --kill-after=10 "$T" "$PY" "${RB[@]}" --dir "$WORK/restore-bench"
+RBC=$?
+case $RBC in
+    0) say "restore_bench: done" ;;
+    124|137) say "restore_bench: out of time"; (( RC )) || RC=4 ;;
+    *) say "restore_bench: a row failed, was skipped or not exact (rc=$RBC)"; (( RC )) || RC=1 ;;
+esac
+rm -rf "$WORK/restore-bench"
+say "done, rc=$RC"
+exit "$RC"
