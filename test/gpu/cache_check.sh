@@ -18,9 +18,10 @@
 # 4. The fence's negative control on the same device: the test that races a forward in
 #    flight (its stream kept busy ~0.5 s on a GPU) against the streamed restore's piece
 #    copies, with SGLANG_L3_TEST_FAULT=skip-load-fence: it must fail, reported either way.
-# 5. benchmark/restore_bench.py --device cuda at 32K and 131K (Qwen3.5-27B, one TP=2
-#    rank): restore vs the store's own read and the raw disk, exactness, and the
-#    GPU's bulk pinned host->device rate (h2d_GB/s).
+# 5. benchmark/restore_bench.py --device cuda at CACHE_BENCH_CONTEXTS (default 32K and
+#    131K; device_check.sh without --only passes 32K: its budget is shared) for
+#    Qwen3.5-27B, one TP=2 rank: restore vs the store's own read and the raw disk,
+#    exactness, and the GPU's bulk pinned host->device rate (h2d_GB/s).
 # --dry-run: the same steps on the CPU stack (SGLANG_L3_TEST_DEVICE=cpu, the simulated
 # device); the selection and the fence control are collected, not run, unless
 # CACHE_DRY_RUN_TESTS=1; restore_bench runs at 8K, one buffer. With the kit (a Python
@@ -157,7 +158,8 @@ if (( T < 40 )); then say "restore_bench skipped: only ${T}s left"; exit $(( RC 
 if (( DRY )); then
     RB=(benchmark/restore_bench.py --device cpu --contexts 8192 --models Qwen3.5-27B --buffers 1/16 --repeat 1 --no-upstream)
 else
-    RB=(benchmark/restore_bench.py --device cuda --contexts 32768,131072 --models Qwen3.5-27B --repeat 1 --no-upstream)
+    RB=(benchmark/restore_bench.py --device cuda --contexts "${CACHE_BENCH_CONTEXTS:-32768,131072}" --models Qwen3.5-27B
+        --repeat 1 --no-upstream)
 fi
 say "${RB[*]} (limit ${T}s)"
 timeout --kill-after=10 "$T" "$PY" "${RB[@]}" --dir "$WORK/restore-bench"

@@ -26,8 +26,9 @@
 # --dry-run runs steps 1-2 on the CPU under the Triton interpreter (small shapes,
 # nothing timed): every new kernel and table config checked against the reference;
 # and step 5 on the CPU stack (see cache_check.sh). Budgets (seconds, of 450 in all):
-# the cache steps DEVICE_CHECK_CACHE_S (200), the benchmark DEVICE_CHECK_BENCH_S (110),
-# the kernel check the rest; with --only, the part run has the whole budget.
+# the cache steps DEVICE_CHECK_CACHE_S (170; restore_bench at 32K only, 131K too with
+# --only cache), the benchmark DEVICE_CHECK_BENCH_S (110), the kernel check the rest;
+# with --only, the part run has the whole budget.
 # Wheels a step needs beyond the image (none so far) travel in ./.whl (git-ignored)
 # and are installed offline into $SITE. Results: $OUT (or /tmp/sglang-l3-device-check):
 # device_check.log, env.txt, gptq_check.json, gptq_bench.txt, gptq_bench.json,
@@ -46,7 +47,7 @@ while (( $# )); do
 done
 [[ $ONLY == all || $ONLY == gptq || $ONLY == cache ]] || { echo "device_check.sh: --only gptq or cache"; exit 3; }
 CACHE_S=0
-[[ $ONLY == all ]] && CACHE_S=${DEVICE_CHECK_CACHE_S:-200}
+[[ $ONLY == all ]] && CACHE_S=${DEVICE_CHECK_CACHE_S:-170}
 START=$(date +%s)
 BUDGET=${DEVICE_CHECK_BUDGET_S:-450}   # < 8 min with margin
 PY=${PYTHON:-python3}
@@ -101,7 +102,10 @@ cache_steps() {
     say "cache steps: test/gpu/cache_check.sh (limit ${T}s)"
     local ARGS=()
     (( DRY )) && ARGS+=(--dry-run)
-    CACHE_CHECK_BUDGET_S=$T OUT_DIR="$OUT_DIR" PYTHON="$PY" bash test/gpu/cache_check.sh "${ARGS[@]}"
+    local CONTEXTS=32768,131072
+    [[ $ONLY == all ]] && CONTEXTS=32768  # the budget is shared with the GPTQ steps
+    CACHE_CHECK_BUDGET_S=$T OUT_DIR="$OUT_DIR" PYTHON="$PY" CACHE_BENCH_CONTEXTS=${CACHE_BENCH_CONTEXTS:-$CONTEXTS} \
+        bash test/gpu/cache_check.sh "${ARGS[@]}"
     local CC=$?
     case $CC in
         0) say "cache steps: all passed" ;;
