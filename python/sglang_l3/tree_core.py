@@ -12,21 +12,29 @@ Python core where it is not None.
 from __future__ import annotations
 
 import importlib.metadata as md
-import re
 
 ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"  # upstream's switch (default rust)
 
 
 def sglang_torch_pin() -> str | None:
-    """The exact torch version the installed sglang wheel requires, if it pins one."""
+    """The exact torch version the installed sglang wheel requires, if it pins one
+    (its Requires-Dist, parsed as pip parses it; SGLang itself imports `packaging`)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
     try:
         reqs = md.requires("sglang") or []
     except md.PackageNotFoundError:
         return None
-    for r in reqs:
-        m = re.fullmatch(r"torch\s*==\s*([0-9][^;\s]*)\s*(;.*)?", r.strip())
-        if m:
-            return m.group(1)
+    for text in reqs:
+        try:
+            req = Requirement(text)
+        except InvalidRequirement:
+            continue
+        if req.name != "torch" or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        pins = [s.version for s in req.specifier if s.operator == "=="]
+        if len(pins) == 1:
+            return pins[0]
     return None
 
 

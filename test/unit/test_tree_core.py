@@ -41,3 +41,17 @@ def test_the_stack_runs_the_python_core_where_rust_does_not_match(monkeypatch, t
         assert st.cache._tree_core_backend == "python"
     with pytest.raises(ValueError, match="tree_core must be one of"):
         stack.L3Stack(stack.HybridSpec(page_size=4), str(tmp_path), tree_core="go")
+
+
+def test_a_cpu_stack_without_the_cpu_switch_says_what_to_do(monkeypatch) -> None:
+    """A CPU stack needs the CPU switch's transfer ops; without it (e.g. on a machine
+    with a GPU) the stack stops at once naming SGLANG_L3_TEST_DEVICE=cuda, instead of
+    failing later inside upstream's host pools."""
+    import sglang_l3.cpu
+    import sglang_l3.testing.stack as stack
+    from sglang_l3.patches import framework
+
+    monkeypatch.setattr(framework, "is_applied", lambda pid: False)
+    monkeypatch.setattr(sglang_l3.cpu, "enabled", lambda: False)
+    with pytest.raises(RuntimeError, match="needs the CPU switch.*SGLANG_L3_TEST_DEVICE=cuda"):
+        stack.ensure_cpu_host_pools()
