@@ -4,10 +4,14 @@ every time the other agent speaks its context comes back from L3 while the last
 speaker's newest pages are still being written (issue 50 item 1).
 
 One rank of Qwen3.5-27B at TP=2 (restore_bench's geometry and helpers: KV 32,768
-B/token, GDN state 76,972,032 B), through the real upstream cache stack on CPU
+B/token, GDN state 76,972,032 B), through the real upstream cache stack
 (`sglang_l3.testing.stack.L3Stack`: UnifiedRadixCache + HybridCacheController +
 buffer-only HiCache with upstream's write-through) and our store (patch store-file),
 with every hicache and storage patch of the series (streamed-restore, write-guard, ...).
+--device cpu (default): the CPU stand-in, whose host->device copies are memcpys on
+the cores that also read the store; --device cuda: the device pools on a CUDA/ROCm
+GPU, upstream's load/write streams real (restore_bench's `prepare`; on the lent GPU
+machine `test/gpu/cache_check.sh` runs it).
 
 Setup (untimed): agent B's context (--context tokens) is written through to L3 and
 evicted: it is in L3 only. Agent A's context (--context minus half a turn) is
@@ -151,7 +155,7 @@ def scribble_free(st: Any) -> None:
     same agent left the same values there)."""
     alloc = st.allocator
     pages = alloc.get_all_free_pages().long()
-    rows = (pages.view(-1, 1) * PAGE + torch.arange(PAGE).view(1, -1)).reshape(-1)
+    rows = (pages.view(-1, 1) * PAGE + torch.arange(PAGE, device=pages.device).view(1, -1)).reshape(-1)
     kv = st.kv_pool
     for layer in range(kv.start_layer, kv.start_layer + kv.layer_num):
         kv.get_key_buffer(layer)[rows] = -7
@@ -369,20 +373,26 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="negative control of the guard: the test harness's forward-time read inside the timer",
     )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where the device pools live: cpu (the CPU stand-in) or cuda (a CUDA/ROCm GPU: real copy engine)",
+    )
     args = ap.parse_args(argv)
     if args.context % PAGE or args.turn % (2 * PAGE) or args.turn // 2 <= PAGE:
         ap.error(f"--context must be a multiple of {PAGE}, --turn a multiple of {2 * PAGE} and at least {4 * PAGE}")
     if args.turn // 2 >= args.context or args.switches < 1:
         ap.error("--turn must be under twice the context, --switches at least 1")
 
-    rb.prepare()
+    rb.prepare(args.device)
     m = next(x for x in rb.MODELS if x.name == MODEL)
     need = need_gib(args.context, args.turn, args.switches, args.buffer)
     budget = f"--max-gib {args.max_gib:.1f} GiB" if args.max_gib else "MemAvailable - 2 GiB"
     print(
         f"# {MODEL}, one rank of TP={rb.TP}, page {PAGE}: KV {m.kv_bytes_per_token()} B/token, "
         f"GDN state {m.state_bytes()} B; context {args.context}, turn {args.turn}, host buffer "
-        f"{args.buffer:g} x context; ~{need:.1f} GiB ({budget})"
+        f"{args.buffer:g} x context; ~{need:.1f} GiB ({budget}); device {rb.device_name(args.device)}"
     )
     if not rb.fits(need, args.max_gib):
         print(f"skipped: needs ~{need:.1f} GiB > budget")

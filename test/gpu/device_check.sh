@@ -22,12 +22,13 @@
 #   5. the cache steps (test/gpu/cache_check.sh, issue 52): SGLang from the carried
 #      kit (.gpukit/, built here by test/gpu/build_kit.py) unless installed, doctor,
 #      the HiCache integration selection on the GPU (SGLANG_L3_TEST_DEVICE=cuda), the
-#      fence's negative control, restore_bench --device cuda at 32K and 131K.
+#      fence's negative control, restore_bench --device cuda at 32K and 131K, and
+#      agent_switch --device cuda at 131K (issue 50; both at 32K without --only).
 # --dry-run runs steps 1-2 on the CPU under the Triton interpreter (small shapes,
 # nothing timed): every new kernel and table config checked against the reference;
 # and step 5 on the CPU stack (see cache_check.sh). Budgets (seconds, of 450 in all):
-# the cache steps DEVICE_CHECK_CACHE_S (170; restore_bench at 32K only, 131K too with
-# --only cache), the benchmark DEVICE_CHECK_BENCH_S (110), the kernel check the rest;
+# the cache steps DEVICE_CHECK_CACHE_S (170; restore_bench and agent_switch at 32K only,
+# 131K with --only cache), the benchmark DEVICE_CHECK_BENCH_S (110), the kernel check the rest;
 # with --only, the part run has the whole budget.
 # Wheels a step needs beyond the image (none so far) travel in ./.whl (git-ignored)
 # and are installed offline into $SITE. Results: $OUT (or /tmp/sglang-l3-device-check):
@@ -102,9 +103,11 @@ cache_steps() {
     say "cache steps: test/gpu/cache_check.sh (limit ${T}s)"
     local ARGS=()
     (( DRY )) && ARGS+=(--dry-run)
-    local CONTEXTS=32768,131072
-    [[ $ONLY == all ]] && CONTEXTS=32768  # the budget is shared with the GPTQ steps
+    local CONTEXTS=32768,131072 SWITCH=131072 RESERVE=90
+    # the budget is shared with the GPTQ steps: 32K rows, the switch at 32K
+    [[ $ONLY == all ]] && CONTEXTS=32768 SWITCH=32768 RESERVE=30
     CACHE_CHECK_BUDGET_S=$T OUT_DIR="$OUT_DIR" PYTHON="$PY" CACHE_BENCH_CONTEXTS=${CACHE_BENCH_CONTEXTS:-$CONTEXTS} \
+        CACHE_SWITCH_CONTEXT=${CACHE_SWITCH_CONTEXT:-$SWITCH} CACHE_SWITCH_RESERVE_S=${CACHE_SWITCH_RESERVE_S:-$RESERVE} \
         bash test/gpu/cache_check.sh "${ARGS[@]}"
     local CC=$?
     case $CC in

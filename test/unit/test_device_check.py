@@ -1,8 +1,8 @@
 """test/gpu/device_check.sh --dry-run: the GPU machine's script, its logic checked
 here (environment report, the GPTQ check harness and the benchmark with every new
 Triton kernel and table config run by the Triton interpreter on the CPU,
-benchmark arguments, the cache steps of test/gpu/cache_check.sh on the CPU stack,
-results under $OUT), without a GPU."""
+benchmark arguments, the cache steps of test/gpu/cache_check.sh on the CPU stack
+(restore_bench and agent_switch included), results under $OUT), without a GPU."""
 
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ def test_dry_run(tmp_path: Path) -> None:
     assert "cache steps: all passed" in log
     assert "doctor: all good" in cache and "tree core" in cache
     assert cache.count("tests collected") == 2 and "restore_bench: done" in cache
+    # 6. agent_switch through the same device switch: both switches exact, both turns in L3
+    assert "agent_switch.py --device cpu --context 1024" in cache and "agent_switch: done" in cache
+    assert "a_pages_in_l3=yes exact=yes switches=2 context=1024" in cache
     assert "device cpu (the CPU stand-in" in cache and "True" in cache.split("restore_vs_store=")[0].splitlines()[-1]
     assert "sglang pin (not needed here)" in (tmp_path / "env.txt").read_text()
 
