@@ -70,10 +70,16 @@ if "$PY" -c 'import sglang' 2>/dev/null; then
 elif [[ -f $KIT/site.tar.xz ]]; then
     say "unpacking the kit $KIT into $KIT_SITE"
     "$PY" test/gpu/build_kit.py --check-only --out "$KIT" || { say "the kit does not match its manifest"; exit 3; }
+    # its wheels are for one Python X.Y (the manifest's): another interpreter cannot load them
+    WANT=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["python"])' "$KIT/manifest.json")
+    HAVE=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    [[ $WANT == "$HAVE" ]] || { say "the kit is for Python $WANT, $PY is $HAVE: rebuild it with test/gpu/build_kit.py --python-version $HAVE"; exit 3; }
     rm -rf "$KIT_SITE" && mkdir -p "$KIT_SITE" && tar -xJf "$KIT/site.tar.xz" -C "$KIT_SITE" \
         || { say "cannot unpack the kit"; exit 3; }
     export PYTHONPATH="$KIT_SITE/site:$PYTHONPATH"
     "$PY" -c 'import sglang' || { say "sglang does not import from the kit"; exit 3; }
+    "$PY" -c 'import torch, torchvision' 2>/dev/null \
+        || say "warning: the kit's torchvision (built for torch 2.11) does not import with this torch ($("$PY" -c 'import torch; print(torch.__version__)'))"
     if (( DRY )); then
         say "kit: recording the modules the unit and integration tests import, then importing them with is_cuda() forced"
         "$PY" test/gpu/kit_check.py --record "$WORK/closure.txt" --paths test/integration test/unit > "$WORK/record.log" 2>&1 \
