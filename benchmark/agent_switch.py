@@ -61,7 +61,9 @@ switches (the median row's vs_store is the median of the switches' ratios).
 The guard (`make bench-check`): --max-ratio X exits 1 when the median vs_store is
 above X, a switch is not exact, or a resident's turn is missing from L3.
 --check-inside-timer is its negative control (the test harness's forward-time read
-inside the timer, as restore_bench's).
+inside the timer, as restore_bench's). A switch that is not exact, or whose turn is
+missing from L3, prints (stderr) the sglang-l3 log records of its restore (a stream's
+start, waits, aborts and their reasons) and the counters the switch moved.
 
 Last line exactly
 
@@ -76,7 +78,9 @@ Example: nice -n 10 python benchmark/agent_switch.py --context 32768 --switches 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import logging
 import math
 import os
 import shutil
@@ -84,6 +88,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -176,6 +181,49 @@ def in_store(st: Any, keys: list[str]) -> bool:
     return all(be.store.exists([(k, kv) for k in keys] + [(keys[-1], state)]))
 
 
+class SwitchLog(logging.Handler):
+    """sglang-l3's own log records (INFO and up: a stream's start, a wait, an abort and
+    its reason) of the switch in progress, kept in memory and printed only when the switch
+    fails, with the counters it moved: a failure in CI explains itself. Nothing else is
+    shown (prepare() silences library logging for a clean table)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.setFormatter(logging.Formatter("%(relativeCreated)9.1f ms %(name)s %(levelname)s %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+    def attach(self) -> None:
+        logging.getLogger().addHandler(logging.NullHandler())  # no last-resort printing
+        ours = logging.getLogger("sglang_l3")
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+        ours.addHandler(self)
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Records while the switch runs (prepare() disabled logging; other libraries'
+        loggers, torch's included, stay quiet below CRITICAL at the root)."""
+        self.lines.clear()
+        root = logging.getLogger()
+        level = root.level
+        root.setLevel(logging.CRITICAL)
+        logging.disable(logging.NOTSET)
+        try:
+            yield
+        finally:
+            logging.disable(logging.WARNING)
+            root.setLevel(level)
+
+    def report(self, label: str, before: dict, after: dict) -> None:
+        moved = {k: after[k] - before.get(k, 0) for k in sorted(after) if after[k] != before.get(k, 0)}
+        rb.log(f"  switch {label} failed; counters moved: {moved}")
+        for line in self.lines[-40:]:
+            rb.log(f"    {line}")
+
+
 @dataclasses.dataclass
 class Switch:
     resident: str
@@ -213,6 +261,8 @@ def run(args: argparse.Namespace, store: str) -> list[Switch]:
     names = ("A", "B")
     seqs = [tokens(0, args.context - args.turn // 2), tokens(1, args.context)]
     out: list[Switch] = []
+    trace = SwitchLog()
+    trace.attach()
     with L3Stack(spec, store, server_args=rb.buffer_args(spec, buf), host_budget_bytes=rb.host_budget()) as st:
         cc = st.cache.cache_controller
         cc.prefetch_capacity_limit = int(0.9 * cc.mem_pool_host.size)  # upstream's limit
@@ -268,11 +318,12 @@ def run(args: argparse.Namespace, store: str) -> list[Switch]:
                     seen["started"] = now
 
             c_0, t0 = time.process_time(), time.perf_counter()
-            try:
-                req, loaded = rb.restore_busy(st, seqs[y], check_forward=args.check_inside_timer, on_tick=observe)
-            except RestoreFailed as e:
-                rb.log(f"  restore failed: {e}")
-                req, loaded = None, 0
+            with trace.capture():
+                try:
+                    req, loaded = rb.restore_busy(st, seqs[y], check_forward=args.check_inside_timer, on_tick=observe)
+                except RestoreFailed as e:
+                    rb.log(f"  restore failed: {e}")
+                    req, loaded = None, 0
             wall, cpu = time.perf_counter() - t0, time.process_time() - c_0
             # 5. checks
             at_admit = in_store(st, turn_keys)
@@ -288,6 +339,8 @@ def run(args: argparse.Namespace, store: str) -> list[Switch]:
                 st.allocator.free(pad)
             st.settle(timeout=3600)
             x_in_l3 = in_store(st, turn_keys)
+            if not (exact and x_in_l3):
+                trace.report(f"{k + 1} ({names[x]}->{names[y]}, {loaded} tokens restored)", c0, metrics.snapshot())
             ms = {k: (v - t0) * 1e3 for k, v in seen.items()}
             rb.log(f"  ms from arrival: { {k: round(v, 1) for k, v in ms.items()} }")
             started = ms.get("started", wall * 1e3)

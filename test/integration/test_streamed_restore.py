@@ -321,3 +321,43 @@ def test_decisions_do_not_depend_on_store_timing(tmp_path, monkeypatch) -> None:
 
     fast, slow = run(0.0), run(0.05)
     assert fast == slow and len(fast[0]) > 4
+
+
+@pytest.mark.parametrize("core", TREE_CORES)
+def test_final_round_waits_for_a_busy_mamba_staging_slot(tmp_path, core: str) -> None:
+    """The last piece and the Mamba checkpoint come through upstream's own prefetch, which
+    parks when the host has no Mamba staging slot free, as while another agent's turn is
+    written to L3 (agent_switch, CI 2026-12-06: 0 tokens restored). The stream keeps its
+    rows and retries the final round once the slot is back: the whole context restores,
+    bit-exact. Before, upstream parked it after the stream had trimmed the op past the tree;
+    its retry found no anchor (`anchor_lost`), the prefetch ended, and the request would
+    have recomputed its whole context."""
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    spec = make_spec(64, 8 * (BUFFER + 64))
+    seq = context(spec, 8)
+    (want,) = write(spec, tmp_path, core, [seq])
+    with reader(spec, tmp_path, core) as st:
+        pipe = st.cache.buffer_pipeline
+        lane = lane_of(pipe)
+        mamba_host = st.cache.components[ComponentType.MAMBA]._mamba_pool_host
+        c0 = metrics.snapshot()
+        st.scribble()
+        h = st.start_prefetch(seq, "busy")
+        pump(st, lambda: h in lane.streams and lane.streams[h].landed_pages >= 1, "a landed piece")
+        held = mamba_host.alloc(mamba_host.available_size())  # what a queued write's staging holds
+        assert held is not None and mamba_host.available_size() == 0
+        pump(st, lambda: lane.streams[h].final_waited, "the final round to find no Mamba slot")
+        for _ in range(20):  # parked, retried every tick, never aborted
+            st.cache.check_hicache_events()
+            assert h in lane.streams and lane.streams[h].state == "ready"
+        mamba_host.free(held)
+        bp = st.cache.buffer_pipeline
+        pump(st, lambda: st.cache.check_prefetch_progress(h) and bp.has_staged(h), "the restore to stage")
+        st.cache.pop_prefetch_loaded_tokens(h)
+        req, loaded = st.admit(h, seq, "busy")
+        st.check_restored(seq, req, loaded, want, kv=True)
+        delta = {k: v - c0.get(k, 0) for k, v in metrics.snapshot().items()}
+        assert delta.get("l3_stream_restore{final_waited}") == 1
+        assert delta.get("l3_stream_restore{restored}") == 1 and not delta.get("l3_stream_restore{aborted}")
+        back_to_baseline(st, req)

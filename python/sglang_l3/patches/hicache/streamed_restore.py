@@ -154,6 +154,7 @@ class Stream:
     flags: list[int] = dataclasses.field(default_factory=list)  # rank-agreed restorable lengths (pages)
     spare: torch.Tensor | None = None  # rows given up by a cut, freed with the stream
     f: tuple | None = None  # (matched_len, num_tokens, hash_values) of the last piece's staged hold
+    final_waited: bool = False  # upstream parked the final round for host capacity at least once
 
     @property
     def r_tokens(self) -> int:
@@ -293,6 +294,26 @@ def _copy_to_device(cc: Any, host: torch.Tensor, rows: torch.Tensor, rows_host: 
 
 
 # --------------------------------------------------------------------- lifecycle
+def _aux_staging_short(cache: Any, info: Any, aux_hit_tokens: int) -> bool:
+    """Whether upstream's aux staging for the final round (the Mamba checkpoint's host
+    slot; SWA windows where there are any) cannot be allocated now: the same transfers and
+    sizes `UnifiedRadixCache._alloc_prefetch_aux_staging` allocates, against each host
+    pool's free slots. Host pools change only at lockstep points, so every rank agrees."""
+    cc = cache.cache_controller
+    pages = aux_hit_tokens // cache.page_size
+    for transfers in info.comp_xfers.values():
+        for t in transfers:
+            if t.host_indices is not None or t.indices_from_pool:
+                continue
+            entry = cc.mem_pool_host.entry_map.get(t.name)
+            if entry is None:
+                continue
+            need = min(len(t.keys or ()), pages) * entry.host_pool.page_size
+            if need and entry.host_pool.available_size() < need:
+                return True
+    return False
+
+
 def _restorable_flags(op: Any, hit_pages: int) -> list[int]:
     """flags[c] = 1 where this rank's store holds KV and the Mamba checkpoint at c pages
     past the stream's start (the hit query's sparse result; upstream's contract when a
@@ -815,6 +836,18 @@ def apply(ctx: PatchContext) -> None:
         if not cache.cache_controller.can_fit_prefetch_host_buffers(op, hit_tokens - trim) or (
             cache.cache_controller.mem_pool_host.anchor_entry.host_pool.available_size() < hit_tokens - trim
         ):
+            self.release_anchor_lock(op.handle)
+            return False
+        if _aux_staging_short(cache, info, aux_hit_tokens):
+            # Upstream stages the Mamba checkpoint (and any other sidecar) beside the last
+            # piece; its host slot may be held for a moment, e.g. by the other agent's turn
+            # on its way to L3. Park the op untrimmed, as for a KV shortfall: upstream retries
+            # it next tick at the anchor we pin. Upstream's own deferral would come after the
+            # trim, and its retry of an op trimmed past the tree finds no anchor: the stream
+            # ended and the request recomputed its whole context (agent_switch in CI).
+            if not s.final_waited:
+                s.final_waited = True
+                metrics.inc("l3_stream_restore", "final_waited")
             self.release_anchor_lock(op.handle)
             return False
         if trim:
