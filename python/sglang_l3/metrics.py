@@ -30,6 +30,9 @@ _COUNTS: dict[str, int | float] = {}  # not a Counter: values are also float (se
 _PROM: dict[str, Any] = {}  # prometheus_client counters (an optional, untyped import)
 _LAST_PUBLISH = [0.0]
 _TIMER: list[threading.Timer | None] = [None]
+# One publish at a time: a snapshot taken earlier must never replace a newer one (threads
+# that count, e.g. the store's IO threads, publish beside the scheduler's).
+_PUBLISH_LOCK = threading.Lock()
 PUBLISH_INTERVAL_S = 1.0
 PROM_PREFIX = "sglang_l3_"
 STORE_PREFIX = "store_"
@@ -145,17 +148,18 @@ def _start_time(pid: int) -> float | None:
 
 def _publish() -> None:
     _LAST_PUBLISH[0] = time.monotonic()
-    try:
-        d = stats_dir()
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        pid = os.getpid()
-        path = os.path.join(d, f"{pid}.json")
-        tmp = f"{path}.{threading.get_ident()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"pid": pid, "started": _start_time(pid), "time": time.time(), "counters": snapshot()}, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # counters are best-effort; never disturb serving
+    with _PUBLISH_LOCK:
+        try:
+            d = stats_dir()
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            pid = os.getpid()
+            path = os.path.join(d, f"{pid}.json")
+            tmp = f"{path}.{threading.get_ident()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"pid": pid, "started": _start_time(pid), "time": time.time(), "counters": snapshot()}, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # counters are best-effort; never disturb serving
 
 
 def _deferred_publish() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,21 @@ def published_counters(stats: Path) -> dict[str, float]:
         for k, v in data.get("counters", {}).items():
             out[k] = out.get(k, 0) + v
     return out
+
+
+def settled_counters(stats: Path, quiet_s: float = 3.0, timeout: float = 60.0) -> dict[str, float]:
+    """`published_counters` once they have not changed for `quiet_s` (a process publishes
+    up to 1 s after its last increment, later on a loaded box): a baseline for deltas,
+    taken right after a request, must hold that request's last counts. Where they never
+    settle within `timeout` (something counts while idle), the last read."""
+    last = published_counters(stats)
+    since = time.monotonic()
+    deadline = since + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = published_counters(stats)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return last

@@ -42,6 +42,7 @@ from l3_e2e import (
     family_params,
     published_counters,
     restorable,
+    settled_counters,
 )
 from sglang_l3.testing.server import Generation, Server, ServerConfig, prompt
 from tp2_e2e import (
@@ -162,7 +163,7 @@ def test_tp2_prefix_that_fits_the_host_buffer_streams_too(run: Run) -> None:
         assert cold.cached_tokens == 0, cold.meta
         same_output(cold, run.want_fit, "cold fitting prefix vs no-cache TP=2")
         flush(s, "flush after the cold fitting run")
-        before = published_counters(stats)
+        before = settled_counters(stats)
         warm = generate(s, FIT_IDS, NEW, "fitting prefix after flush")
         assert warm.cached_device == 0 and warm.cached_host == 0, warm.meta
         assert warm.cached_storage == hit, (warm.meta, hit)
@@ -176,7 +177,12 @@ def test_tp2_prefix_that_fits_the_host_buffer_streams_too(run: Run) -> None:
 
         # each rank streams it (one stream per rank), then admits it
         wait_for(lambda: all(grown(k) >= TP for k in ("started", "fitting", "restored")), 60, "the fitting streams")
-    assert all(grown(k) == TP for k in ("started", "fitting", "restored")), published_counters(stats)
+    # on failure: what grew, and each rank's stream log lines (starts, waits, aborts)
+    streams = [line for line in s.log_text().splitlines() if "streamed restore" in line]
+    assert all(grown(k) == TP for k in ("started", "fitting", "restored")), (
+        {k: grown(k) for k in ("started", "fitting", "restored", "final_waited", "aborted")},
+        streams[-16:],
+    )
     assert VERIFY_FAIL not in s.log_text(), s.log_tail(80)
 
 

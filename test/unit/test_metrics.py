@@ -1,7 +1,8 @@
 """The one counter path (sglang_l3.metrics): store counters flow through inc(),
 Prometheus export only when SGLang metrics are on, published snapshots of
 processes that are gone (or whose pid was reused) expire, a burst's last
-increments are published without waiting for the next one."""
+increments are published without waiting for the next one, and an older snapshot
+never lands after a newer one."""
 
 from __future__ import annotations
 
@@ -93,4 +94,40 @@ def test_last_increments_of_a_burst_are_published(stats_dir, monkeypatch) -> Non
             if got == want:
                 break
         time.sleep(0.1)
+    assert got == want
+
+
+def test_an_older_snapshot_never_replaces_a_newer_one(stats_dir, monkeypatch) -> None:
+    """Threads that count (the scheduler, the store's IO threads) publish side by side:
+    a publish whose snapshot is older must not land after a newer one (the file would
+    hold stale counters until the next increment)."""
+    import threading
+
+    real_replace = os.replace
+    go = threading.Event()
+    stalled = threading.Event()
+
+    def replace(src, dst):  # publisher A stalls between its snapshot and its rename
+        if threading.current_thread().name == "publisher-a":
+            stalled.set()
+            go.wait(30)
+        real_replace(src, dst)
+
+    metrics.inc("unit_order")  # not published: SGLANG_L3_PUBLISH_STATS is unset
+    monkeypatch.setattr(metrics.os, "replace", replace)
+    monkeypatch.setenv("SGLANG_L3_PUBLISH_STATS", "1")
+    a = threading.Thread(target=metrics.publish_now, name="publisher-a")
+    a.start()
+    assert stalled.wait(30), "publisher A never reached its rename"
+    monkeypatch.delenv("SGLANG_L3_PUBLISH_STATS")
+    metrics.inc("unit_order")  # newer than A's snapshot, published only by B
+    monkeypatch.setenv("SGLANG_L3_PUBLISH_STATS", "1")
+    want = metrics.get("unit_order")
+    b = threading.Thread(target=metrics.publish_now, name="publisher-b")
+    b.start()
+    b.join(0.5)  # without ordering, B lands now, before the stalled A
+    go.set()
+    a.join(30)
+    b.join(30)
+    got = json.loads((stats_dir / f"{os.getpid()}.json").read_text())["counters"]["unit_order"]
     assert got == want
