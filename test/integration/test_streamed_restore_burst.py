@@ -357,3 +357,48 @@ def test_watchdog_detect_mode_logs_and_changes_nothing(tmp_path, monkeypatch, ca
     assert len(lines) == len(reported), lines
     x2 = [ln for ln in lines if "req=X2" in ln]
     assert len(x2) == 1 and "stream " in x2[0] and "idle-waited" in x2[0], lines
+
+
+@pytest.mark.parametrize("core", TREE_CORES)
+def test_a_stream_leaves_a_chunked_prefill_its_rows(tmp_path, core: str) -> None:
+    """A 3,000-token prompt is prefilled in 256-token chunks when Y arrives with the
+    2,176-token prefix in L3 (pool 4096). Y's stream may not take the rows the chunked
+    prefill has yet to allocate (admission counted them when it admitted the long
+    prompt): it waits for rows, then restores its prefix whole. Before, the stream took
+    them and the next chunk stopped the scheduler on `Prefill out of memory`."""
+    from sglang_l3.testing.scheduler_harness import SchedulerHarness
+
+    seq = list(range(5, 5 + PREFIX))
+    _write_prefixes(tmp_path, core, [seq])
+    spec = HybridSpec(page_size=PAGE, kv_size=POOL, max_context_len=4096)
+    with L3Stack(spec, str(tmp_path), tree_core=core, server_args={"hicache_ratio": HOST_RATIO}) as st:
+        st.scribble()
+        h = SchedulerHarness(st, chunked_prefill_size=256)
+        long = h.make_req(list(range(30_000, 33_000)), "LONG", 8)
+        y = h.make_req(seq + list(range(7000, 7100)), "Y", 8)
+        h.arrive(long)
+        batch = None
+        for _ in range(MAX_PASSES):  # its L3 lookup (a miss) first
+            h.s._process_hicache_events()
+            batch = h.admit()
+            if batch is not None:
+                break
+            wait_for_work(st.cache)
+        assert batch is not None, "the long prompt's first chunk"
+        h.forward(batch)
+        assert h.s.chunked_req is long, "the long prompt is prefilled in chunks"
+        c0 = metrics.snapshot()
+        h.arrive(y)
+        got = drive(h, [long, y])
+        c1 = metrics.snapshot()
+        delta = {k: c1.get(k, 0) - c0.get(k, 0) for k in c1 if c1.get(k, 0) != c0.get(k, 0)}
+        assert got["LONG"][1] and got["Y"][1], f"KV differs from what the model would compute: {got}"
+        assert got["Y"][0] == PREFIX, (got, delta)
+        assert delta.get("l3_stream_restore{waited_busy}") == 1, delta
+        assert delta.get("l3_stream_restore{restored}") == 1, delta
+        st.settle()
+        st.evict_all()
+        st.settle()
+        assert not lane_of(st.cache.buffer_pipeline).streams
+        st.cache.sanity_check()
+        assert st.pool_sizes() == st.baseline, "a pool did not return to its baseline"

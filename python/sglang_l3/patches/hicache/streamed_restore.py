@@ -60,7 +60,10 @@ own rather than by upstream's prefetch thread):
   defers on device capacity after the read), its own and that of every hit parked
   behind it (upstream retries parked hits in order: they wait for it). Counted once per op in
   `l3_stream_restore{waited_write}` (rows held for queued L3 writes, patch
-  write-guard, would make it fit) or `{waited_busy}` (other rows).
+  write-guard, would make it fit) or `{waited_busy}` (other rows). The rows a chunked
+  prefill in progress has yet to allocate are not free for a stream (`chunk_reserve`):
+  upstream's admission counted them for that request, which allocates them chunk by
+  chunk; a stream that took them stopped the scheduler on `Prefill out of memory`.
 - Short device pool: when the hit is larger than the whole device pool, the op is
   cut to the longest part ending at a stored Mamba checkpoint that fits (a hybrid
   prefix is only usable there); the request computes the rest. The fit and the
@@ -83,6 +86,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -101,6 +105,7 @@ logger = logging.getLogger("sglang_l3.streamed_restore")
 PIPE = "sglang.srt.mem_cache.buffer_mode.pipeline:BufferModePipeline"
 URC = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
 ADDER = "sglang.srt.managers.schedule_policy:PrefillAdder"
+SCHED = "sglang.srt.managers.scheduler:Scheduler"
 ENV_PIECE = "SGLANG_L3_STREAM_PIECE"  # fraction of the host KV pool per piece
 DEFAULT_PIECE_FRACTION = 0.4
 MAX_INFLIGHT = 2  # pieces per stream: read piece i+1 while piece i is copied
@@ -374,6 +379,25 @@ def _restart_budget(cache: Any, handle: Any) -> None:
         wait.timer.started_at = time.perf_counter()
 
 
+_SCHEDULER = "_l3_scheduler"  # weakref to the scheduler that drains this cache's hits
+
+
+def chunk_reserve(cache: Any) -> int:
+    """Device rows the chunked prefill in progress has yet to allocate (its later chunks,
+    page-rounded up). Upstream's admission counted them when it admitted the request, but
+    they are allocated chunk by chunk, and a stream's rows are taken outside admission:
+    a stream that took them left the next chunk nothing, and upstream stops the scheduler
+    on `Prefill out of memory`. The same on every rank (the chunked request is)."""
+    ref = cache.__dict__.get(_SCHEDULER)
+    scheduler = ref() if ref is not None else None
+    req = getattr(scheduler, "chunked_req", None)
+    if req is None:
+        return 0
+    need = len(req.origin_input_ids) + len(req.output_ids) - req.kv.kv_allocated_len
+    page = cache.page_size
+    return max(0, -(-need // page) * page)
+
+
 def _device_fit(pipe: Any, op: Any, hit_tokens: int, *, cut: bool = True) -> int:
     """Tokens of the hit the device pool can take now (free + evictable, page-floored;
     the last piece included, so admission does not defer on the restored part), and the
@@ -391,14 +415,15 @@ def _device_fit(pipe: Any, op: Any, hit_tokens: int, *, cut: bool = True) -> int
     cache = pipe._cache
     page = cache.page_size
     allocator = cache.token_to_kv_pool_allocator
-    avail = allocator.available_size()
+    reserve = chunk_reserve(cache)  # rows a chunked prefill in progress still needs: not ours
+    avail = allocator.available_size() - reserve
     if avail < hit_tokens and (
         avail + cache.full_evictable_size() >= hit_tokens or (cut and not waits_for_rows(cache, hit_tokens))
     ):
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         cache.evict_for_alloc(EvictParams(num_tokens=hit_tokens - avail))
-    fit = allocator.available_size() // page * page
+    fit = max(0, allocator.available_size() - reserve) // page * page
     hit_pages = hit_tokens // page
     shape = (hit_pages, op.prefetch_kv_page_offset, op.storage_start)
     agreed_flags = op.__dict__.get(_FLAGS) if op.__dict__.get(_FLAGS_SHAPE) == shape else None
@@ -999,7 +1024,16 @@ def apply(ctx: PatchContext) -> None:
         finally:
             lane.local_drain = False
 
+    def hicache_events(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+        # the scheduler whose chunked prefill a stream's rows must leave room for
+        # (`chunk_reserve`); hits are drained here
+        cache = getattr(self, "tree_cache", None)
+        if cache is not None and _SCHEDULER not in cache.__dict__:
+            cache.__dict__[_SCHEDULER] = weakref.ref(self)
+        return orig(self, *args, **kwargs)
+
     ctx.around(f"{PIPE}.allocate_and_queue_prefetch", allocate)
+    ctx.around(f"{SCHED}._process_hicache_events", hicache_events)
     ctx.around(f"{URC}.drain_storage_control_queues_local", local_drain)
     ctx.around(f"{PIPE}.stage_completed_prefetch", stage)
     ctx.around(f"{PIPE}._allocate_and_queue_load_back", load_back)
