@@ -20,8 +20,9 @@ start until its request is admitted. Two things went wrong with that in a burst:
   happens on an idle scheduler (nothing running, nothing admitted this pass: nothing
   will free memory by itself), the rows of streams other requests hold are released:
   a stream still reading is aborted and its parked hit revoked; a staged one drops
-  its hold (`release_staged_hold`, reason device_capacity). Those requests recompute
-  or, once the head's prefix is in the tree, share it. Without this, X1 (its staged
+  its hold (`release_staged_hold`, reason device_capacity). Those requests ask L3
+  again on the next pass (upstream's immediate re-issue, `StoragePrefetchRetries.refetch`)
+  and restore or, once the head's prefix is in the tree, share it. Without this, X1 (its staged
   hold dropped after 32 device_capacity deferrals) waited at the head for rows that
   X2's staged stream behind it held, and X2 was never reached: both hung.
   A stream in its final round is left alone (upstream's read of the last piece is in
@@ -101,7 +102,7 @@ def yield_rows(pipe: Any, head: Any) -> int:
         rows = len(s.rows)
         logger.warning(
             "streamed restore of req=%s yields %d device rows (state %s) to req=%s, which the idle scheduler "
-            "cannot admit; req=%s recomputes or shares what is in the tree",
+            "cannot admit; req=%s asks L3 again next pass or shares what is in the tree",
             s.handle.rid,
             rows,
             s.state,
@@ -115,8 +116,22 @@ def yield_rows(pipe: Any, head: Any) -> int:
             abort_stream(pipe, s, "yielded")  # the tick frees R once its reads are back
             if s.handle in cache.ongoing_prefetch:
                 cache.revoke_pending_prefetch(s.handle)  # parked op, no host slots of upstream's
+        refetch_after_yield(cache, s)
         released += rows
     return released
+
+
+def refetch_after_yield(cache: Any, s: Stream) -> None:
+    """The yielded request asks L3 again on the next pass (upstream's immediate re-issue,
+    as after its own anchor loss): it lost its hit to the head, not to the store. Without
+    it the request was admitted on what the device held, often nothing of a hybrid model's
+    context (no Mamba state there), and recomputed all of it though L3 had it. Upstream's
+    re-issue cap bounds how often a request can lose its rows this way."""
+    retries = getattr(cache, "storage_prefetch_retries", None)
+    if retries is not None:
+        # no end given: a cut stream's hit was shorter than what L3 holds
+        retries.refetch(s.handle.rid, None)
+        metrics.inc("l3_stream_restore", "refetch_yielded")
 
 
 # ------------------------------------------------------------------------ hooks
