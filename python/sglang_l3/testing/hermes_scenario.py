@@ -175,13 +175,20 @@ def reuse_shortfalls(calls: list[tuple[str, int, int]]) -> list[str]:
 
 
 def replay_no_cache(
-    rows: list[dict[str, Any]], rules: dict[str, list[dict[str, Any]]], root: Path, context: int = CONTEXT
+    rows: list[dict[str, Any]],
+    rules: dict[str, list[dict[str, Any]]],
+    root: Path,
+    context: int = CONTEXT,
+    tp_size: int = 1,
 ) -> list[str]:
-    """The recorded prompts (the server's own) against a server without any cache;
-    returns what differs (tokens or log-probabilities), [] when every call matches."""
+    """The recorded prompts (the server's own) against a server without any cache, of
+    the same TP size (dummy weights differ between TP sizes); returns what differs
+    (tokens or log-probabilities), [] when every call matches."""
     record = root / "fresh.jsonl"
     script = write_script(root / "fresh.json", record, rules, record_prompt_ids=False)
-    fresh = server(root, "fresh", server_config(script, context=context, extra=["--disable-radix-cache"])).start()
+    config = server_config(script, context=context, extra=["--disable-radix-cache"])
+    config.tp_size = tp_size
+    fresh = server(root, "fresh", config).start()
     try:
         for r in rows:
             body = {
