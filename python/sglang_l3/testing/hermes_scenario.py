@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ SERVED_NAME = "tiny-qwen35"
 CONTEXT = 65536
 PAGE = 64
 STARTUP_TIMEOUT = float(os.environ.get("SGLANG_L3_E2E_STARTUP_TIMEOUT", "420"))
+# calls the no-cache replay sends at once (measured on a Hermes restart record, 2 cores:
+# 112.6 s one at a time, 81.6 s four at a time, the same tokens and logprobs)
+REPLAY_CONCURRENCY = 4
 
 
 def agent_flags(context: int = CONTEXT) -> list[str]:
@@ -189,15 +193,22 @@ def replay_no_cache(
     config = server_config(script, context=context, extra=["--disable-radix-cache"])
     config.tp_size = tp_size
     fresh = server(root, "fresh", config).start()
+
+    def send(r: dict[str, Any]) -> None:
+        body = {
+            "input_ids": r["prompt_ids"],
+            "sampling_params": {"temperature": 0, "max_new_tokens": len(r["tokens"]) + 8},
+        }
+        status, out = fresh.post("/generate", body, timeout=1800)
+        if status != 200:
+            raise RuntimeError(f"no-cache replay: HTTP {status}: {out}")
+
     try:
-        for r in rows:
-            body = {
-                "input_ids": r["prompt_ids"],
-                "sampling_params": {"temperature": 0, "max_new_tokens": len(r["tokens"]) + 8},
-            }
-            status, out = fresh.post("/generate", body, timeout=1800)
-            if status != 200:
-                raise RuntimeError(f"no-cache replay: HTTP {status}: {out}")
+        # a few calls at a time: the server batches them (the cached server's answers
+        # were batched too), a quarter less wall time than one at a time on 2 cores
+        with ThreadPoolExecutor(REPLAY_CONCURRENCY) as pool:
+            for f in [pool.submit(send, r) for r in rows]:
+                f.result()
     finally:
         fresh.stop()
     want = {r["prompt_sha256"]: r for r in read_records(record)}
