@@ -253,6 +253,25 @@ def test_io_modes_round_trip(tmp_path, durability, odirect):
     st.close()
 
 
+def test_counters_count_every_page_of_a_batch(tmp_path):
+    """A batch's pages are counted once per batch (not one increment per page), with
+    the same totals: pages asked, hits, bytes, missing pages; writes alike."""
+    kv = make_kv_pool(heads=4, head_dim=64, tokens=256)
+    fill_random(kv, 9)
+    st = make_store(tmp_path, kv=kv, extra={"odirect": "off"})
+    ks = keys(6)
+    assert st.batch_set_v1(ks[:4], _idx(4, 4)) == [True] * 4
+    page = 2 * 4 * 64 * 2 * 4 * 2
+    c = st.counters()
+    assert (c["write_pages"], c["write_ok"], c["write_bytes"]) == (4, 4, 4 * page)
+    assert c.get("write_direct", 0) == 0 and c.get("write_errors", 0) == 0
+    assert st.batch_get_v1(ks, _idx(6, 4, 20)) == [True] * 4 + [False] * 2
+    c = st.counters()
+    assert (c["read_pages"], c["read_hits"], c["read_bytes"], c["read_missing"]) == (6, 4, 4 * page, 2)
+    assert c.get("read_direct", 0) == 0 and c.get("read_errors", 0) == 0
+    st.close()
+
+
 def test_direct_io_used_when_host_memory_is_aligned(tmp_path):
     """O_DIRECT needs 4 KiB-aligned buffers: page-aligned host memory takes it."""
     import mmap

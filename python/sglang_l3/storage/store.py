@@ -29,6 +29,7 @@ import shutil
 import stat
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -318,16 +319,17 @@ class PageStore:
         t0 = time.perf_counter()
         results = self.engine.read(jobs) if jobs else []
         self.counters.inc("read_seconds", time.perf_counter() - t0)
+        # counted once per batch: an increment takes two locks and may publish, and a
+        # restore reads thousands of pages
+        counts: Counter[str] = Counter()
         for (i, name), job, r in zip(where, jobs, results, strict=True):
-            self.counters.inc("read_pages")
+            counts["read_pages"] += 1
             if r.ok:
                 out[i] = True
-                self.counters.inc("read_hits")
-                self.counters.inc("read_bytes", job.payload_len)
-                if r.direct:
-                    self.counters.inc("read_direct")
-                if r.bounce:
-                    self.counters.inc("read_bounce")
+                counts["read_hits"] += 1
+                counts["read_bytes"] += job.payload_len
+                counts["read_direct"] += r.direct
+                counts["read_bounce"] += r.bounce
                 if self.evictor is not None and self._owned(items[i].spec):
                     self.evictor.touch(name.stem, job.path)
             elif r.corrupt:
@@ -339,10 +341,13 @@ class PageStore:
                 )
                 self.quarantine(job.path, r.status, r.file_id)
             elif r.status == "missing":
-                self.counters.inc("read_missing")
+                counts["read_missing"] += 1
             else:
-                self.counters.inc("read_errors")
+                counts["read_errors"] += 1
                 logger.warning("sglang-l3 store: read of %s failed: %s", name.filename, r.detail)
+        for counter, n in counts.items():
+            if n:
+                self.counters.inc(counter, n)
         return out
 
     # ---------------------------------------------------------------- write
@@ -395,33 +400,35 @@ class PageStore:
         t0 = time.perf_counter()
         results = self.engine.write(jobs) if jobs else []
         self.counters.inc("write_seconds", time.perf_counter() - t0)
+        counts: Counter[str] = Counter()  # once per batch, as in read()
         for (i, name, owner), job, r in zip(where, jobs, results, strict=True):
-            self.counters.inc("write_pages")
+            counts["write_pages"] += 1
             out[i] = "ok" if r.ok else r.status
             if r.ok:
-                self.counters.inc("write_ok")
-                self.counters.inc("write_bytes", job.payload_len)
-                if r.direct:
-                    self.counters.inc("write_direct")
-                if r.bounce:
-                    self.counters.inc("write_bounce")
+                counts["write_ok"] += 1
+                counts["write_bytes"] += job.payload_len
+                counts["write_direct"] += r.direct
+                counts["write_bounce"] += r.bounce
                 if owner is not None:
                     owner.commit(name.stem)
                 continue
             if r.status == "budget":  # refused before anything was reserved
-                self.counters.inc("write_dropped_budget")
+                counts["write_dropped_budget"] += 1
                 continue
             if owner is not None:
                 owner.abort(name.stem)
             if r.status == "enospc":
-                self.counters.inc("write_enospc")
+                counts["write_enospc"] += 1
                 self._write_failed("enospc", name.filename, r.detail, "disk full; the page is dropped")
             else:
-                self.counters.inc("write_errors")
+                counts["write_errors"] += 1
                 code = errno.errorcode.get(r.errno, str(r.errno)) if r.errno is not None else r.detail.split(":", 1)[0]
                 cause = f"{r.status} {code}"
                 what = "retried" if r.status in _RETRYABLE else "not retried"
                 self._write_failed(cause, name.filename, r.detail, f"the page is {what}")
+        for counter, n in counts.items():
+            if n:
+                self.counters.inc(counter, n)
         if any(st == "ok" for st in out):
             self._writes_succeed()
         for i, j in dup:
