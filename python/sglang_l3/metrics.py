@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 _LOCK = threading.Lock()
@@ -86,6 +87,13 @@ class Counters:
         with self._lock:
             self._c[name] = self._c.get(name, 0) + n
         inc(self._prefix + name, None, n)
+
+    def add(self, counts: Mapping[str, int | float]) -> None:
+        """Several counters at once (a batch's totals); zeros are skipped, as a name
+        never incremented stays absent."""
+        for name, n in counts.items():
+            if n:
+                self.inc(name, n)
 
     def get(self, name: str) -> int | float:
         with self._lock:

@@ -254,14 +254,15 @@ def test_io_modes_round_trip(tmp_path, durability, odirect):
 
 
 def test_counters_count_every_page_of_a_batch(tmp_path):
-    """A batch's pages are counted once per batch (not one increment per page), with
-    the same totals: pages asked, hits, bytes, missing pages; writes alike."""
+    """A batch's totals (the store adds them up per batch): pages asked, hits, bytes and
+    missing pages of a read that misses two of six; pages, successes and bytes of a write;
+    no direct IO with odirect off, no errors."""
     kv = make_kv_pool(heads=4, head_dim=64, tokens=256)
     fill_random(kv, 9)
     st = make_store(tmp_path, kv=kv, extra={"odirect": "off"})
     ks = keys(6)
     assert st.batch_set_v1(ks[:4], _idx(4, 4)) == [True] * 4
-    page = 2 * 4 * 64 * 2 * 4 * 2
+    page = 2 * 4 * 64 * 2 * 4 * 2  # layers x heads x dim x 2 B x 4 tokens x (K, V)
     c = st.counters()
     assert (c["write_pages"], c["write_ok"], c["write_bytes"]) == (4, 4, 4 * page)
     assert c.get("write_direct", 0) == 0 and c.get("write_errors", 0) == 0

@@ -345,9 +345,7 @@ class PageStore:
             else:
                 counts["read_errors"] += 1
                 logger.warning("sglang-l3 store: read of %s failed: %s", name.filename, r.detail)
-        for counter, n in counts.items():
-            if n:
-                self.counters.inc(counter, n)
+        self.counters.add(counts)
         return out
 
     # ---------------------------------------------------------------- write
@@ -426,9 +424,7 @@ class PageStore:
                 cause = f"{r.status} {code}"
                 what = "retried" if r.status in _RETRYABLE else "not retried"
                 self._write_failed(cause, name.filename, r.detail, f"the page is {what}")
-        for counter, n in counts.items():
-            if n:
-                self.counters.inc(counter, n)
+        self.counters.add(counts)
         if any(st == "ok" for st in out):
             self._writes_succeed()
         for i, j in dup:
