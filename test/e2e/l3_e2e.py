@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -128,3 +129,28 @@ def settled_counters(stats: Path, quiet_s: float = 3.0, timeout: float = 60.0) -
         elif time.monotonic() - since >= quiet_s:
             break
     return last
+
+
+def wait_log(
+    s: Server, mark: int, pattern: str, what: str, seconds: float = 180.0, error: type[Exception] = AssertionError
+) -> None:
+    """Until the server's log after offset `mark` has a line matching `pattern`; raises
+    `error` (with the log's tail) when the server exits or `seconds` pass first."""
+    deadline = time.monotonic() + seconds
+    while not re.search(pattern, s.log_text()[mark:]):
+        if not s.alive() or time.monotonic() > deadline:
+            raise error(f"{what}: no log line /{pattern}/ within {seconds:.0f} s\n{s.log_tail(80)}")
+        time.sleep(0.1)
+
+
+def wait_hint(s: Server, hint_id: str, timeout: float = 600.0) -> dict[str, Any]:
+    """A "speaks next" hint's state (GET /sglang_l3/prefetch/<id>) once it is no longer
+    staging; AssertionError when it still stages after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st: dict[str, Any] = json.loads(s.get_text(f"/sglang_l3/prefetch/{hint_id}"))
+        if st["state"] != "staging":
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"hint {hint_id} still staging after {timeout} s: {st}")
+        time.sleep(0.2)

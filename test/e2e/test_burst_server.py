@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from l3_e2e import PAGE_SIZE, PREFETCH_THRESHOLD, STARTUP_TIMEOUT
+from l3_e2e import PAGE_SIZE, PREFETCH_THRESHOLD, STARTUP_TIMEOUT, wait_log
 from sglang_l3.testing.server import Generation, Server, ServerConfig, prompt
 from tp2_e2e import DEVICE, REQUEST_TIMEOUT, TEST_BOUND, Hang, bounded, flush, generate, page_keys, same_output
 
@@ -168,14 +168,6 @@ def _send(s: Server, ids: list[int], what: str, out: dict, key: int) -> threadin
     return t
 
 
-def _wait_log(s: Server, mark: int, pattern: str, what: str, seconds: float = 180.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not re.search(pattern, s.log_text()[mark:]):
-        if not s.alive() or time.monotonic() > deadline:
-            raise Hang(f"{what}: no log line /{pattern}/ within {seconds:.0f} s\n{s.log_tail(80)}")
-        time.sleep(0.1)
-
-
 def run_burst(b: Burst, s: Server, n: int, policy: str, *, streamed: bool = True) -> list[Generation]:
     """Flush, then X1 and, once its stream is held in flight with n hits parked, X2..Xn."""
     flush(s, f"flush before the burst of {n}")
@@ -186,10 +178,10 @@ def run_burst(b: Burst, s: Server, n: int, policy: str, *, streamed: bool = True
     threads = [_send(s, xs[0], "X1", out, 0)]
     try:
         if streamed:
-            _wait_log(s, mark, r"streamed restore req=\S+ start=", "X1's stream to start")
+            wait_log(s, mark, r"streamed restore req=\S+ start=", "X1's stream to start", error=Hang)
         threads += [_send(s, xs[i], f"X{i + 1}", out, i) for i in range(1, n)]
         if streamed:
-            _wait_log(s, mark, rf"hits parked={n}\b", f"{n - 1} more hits parked behind X1's stream")
+            wait_log(s, mark, rf"hits parked={n}\b", f"{n - 1} more hits parked behind X1's stream", error=Hang)
     finally:
         b.gate.unlink(missing_ok=True)
     for t in threads:
@@ -349,13 +341,17 @@ def test_abort_mid_restore_keeps_the_server(burst: Burst, core: str) -> None:
                 else:
                     _send_aborted(s, x, rid)
                 # piece k's read is held: the pieces before it were read (and land as copies)
-                _wait_log(s, mark, rf"read-hold: piece {k} of a streamed restore waits", f"{what}: reads held")
+                wait_log(
+                    s, mark, rf"read-hold: piece {k} of a streamed restore waits", f"{what}: reads held", error=Hang
+                )
                 time.sleep(1.0)  # the pieces read before the hold land meanwhile (not asserted on)
                 if how == "abort_request":
                     s.abort(rid)
                 elif client is not None:
                     client.close()
-                _wait_log(s, mark, rf"streamed restore aborted req={rid} reason=aborted", f"{what}: the abort")
+                wait_log(
+                    s, mark, rf"streamed restore aborted req={rid} reason=aborted", f"{what}: the abort", error=Hang
+                )
                 # the scheduler now has no request: upstream's idle check runs while the
                 # aborted stream's reads are still held in flight
                 time.sleep(2.0)

@@ -32,6 +32,7 @@ from l3_e2e import (
     STARTUP_TIMEOUT,
     family_params,
     reference_scenario,
+    wait_hint,
 )
 from sglang_l3.storage import sessions as table
 from sglang_l3.storage.format import parse_page_name
@@ -212,17 +213,6 @@ def test_byte_cap_keeps_open_sessions_and_releases_closed_ones(tmp_path, family,
         assert len(after) < len(before), "a closed session's pages must become evictable"
 
 
-def _wait_hint(s: Server, hint_id: str, timeout: float = 600.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = json.loads(s._request("GET", f"/sglang_l3/prefetch/{hint_id}"))
-        if st["state"] != "staging":
-            return st
-        if time.monotonic() > deadline:
-            raise AssertionError(f"hint {hint_id} still staging after {timeout} s")
-        time.sleep(0.2)
-
-
 def _post(s: Server, path: str, body) -> tuple[int, dict]:
     return s.post(path, body)
 
@@ -245,7 +235,7 @@ def test_speaks_next_hint_stages_from_l3_to_device(tmp_path, family, reference):
         code, h = _post(s, "/sglang_l3/prefetch", {"session_id": SID})
         assert code == 200 and h["tokens"] == len(A0) + NEW and h["state"] in ("staging", "landed")
         a2 = s.generate(ctx2, NEW, extra={"session_id": SID})
-        st = _wait_hint(s, h["hint_id"])
+        st = wait_hint(s, h["hint_id"])
         assert st["state"] == "landed" and st["cached"]["storage"] >= 256, st
         assert a2.cached_storage == 0 and a2.cached_device >= 256, f"A turn 2 after the hint: {a2.source}"
         _same(a2, r2, "A turn 2 after a hint")
@@ -255,7 +245,7 @@ def test_speaks_next_hint_stages_from_l3_to_device(tmp_path, family, reference):
         b_ctx = B0 + b1.output_ids
         code, hb = _post(s, "/sglang_l3/prefetch", {"input_ids": b_ctx})
         assert code == 200
-        st = _wait_hint(s, hb["hint_id"])
+        st = wait_hint(s, hb["hint_id"])
         assert st["state"] == "deferred_device_full", st
         assert SID in (st["error"] or ""), st
         # (A's turn 2 again: a longer turn would not fit the small pool's request limit)
@@ -267,7 +257,7 @@ def test_speaks_next_hint_stages_from_l3_to_device(tmp_path, family, reference):
         # is served from the device
         code, hb = _post(s, "/sglang_l3/prefetch", {"session_id": "agent-b"})
         assert code == 200
-        assert _wait_hint(s, hb["hint_id"])["state"] == "landed"
+        assert wait_hint(s, hb["hint_id"])["state"] == "landed"
         b2 = s.generate(b_ctx + prompt(311, 48), NEW, extra={"session_id": "agent-b"})
         assert b2.cached_storage == 0 and b2.cached_device >= 256, f"B turn 2: {b2.source}"
         _same(b2, rb2, "B turn 2 after a hint")
@@ -286,11 +276,11 @@ def test_speaks_next_hint_stages_from_l3_to_device(tmp_path, family, reference):
         )
         assert c1 == c2 == 200
         if h1["hint_id"] != h2["hint_id"]:  # the first had landed already
-            assert _wait_hint(s, h1["hint_id"])["state"] == "landed" and not h2["joined"]
+            assert wait_hint(s, h1["hint_id"])["state"] == "landed" and not h2["joined"]
         else:
             assert h2["joined"]
-        assert _wait_hint(s, h2["hint_id"])["state"] == "landed"
-        info = json.loads(s._request("GET", "/sglang_l3/sessions"))
+        assert wait_hint(s, h2["hint_id"])["state"] == "landed"
+        info = json.loads(s.get_text("/sglang_l3/sessions"))
         assert info["hints"].get("staging", 0) == 0 and info["hints"].get("failed", 0) == 0
         assert {r["id"] for r in info["sessions"]} >= {SID, "agent-b"}
         # drop through the running server (every rank's registry, then the table)

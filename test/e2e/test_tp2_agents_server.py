@@ -34,7 +34,6 @@ the pins were placed on every rank.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import threading
 import time
@@ -42,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from l3_e2e import settled_counters
+from l3_e2e import settled_counters, wait_hint, wait_log
 from sglang_l3.testing import hermes_scenario as hs
 from sglang_l3.testing.chat_stream import read_stream
 from sglang_l3.testing.script_writer import read_records, tool_step, write_script
@@ -147,22 +146,6 @@ def _threads(*jobs: Any) -> None:
         raise errors[0]
 
 
-def _wait_log(s: Server, mark: int, pattern: str, what: str, seconds: float = 180.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not re.search(pattern, s.log_text()[mark:]):
-        assert s.alive() and time.monotonic() < deadline, f"{what}: no /{pattern}/\n{s.log_tail(80)}"
-        time.sleep(0.1)
-
-
-def _wait_hint(s: Server, hint_id: str, timeout: float = 300.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = json.loads(s.get_text(f"/sglang_l3/prefetch/{hint_id}"))
-        if st["state"] != "staging" or time.monotonic() > deadline:
-            return st
-        time.sleep(0.2)
-
-
 def _grown(before: dict[str, float], after: dict[str, float], prefix: str) -> dict[str, float]:
     return {k: after.get(k, 0) - before.get(k, 0) for k in sorted(set(before) | set(after)) if k.startswith(prefix)}
 
@@ -228,9 +211,9 @@ def test_two_agents_one_pool_tp2(tmp_path: Path, hash_extension_built) -> None:
 
             t = threading.Thread(target=cancelled_call, daemon=True)
             t.start()
-            _wait_log(s, mark, r"read-hold: piece 1 of a streamed restore waits", "A's stream to hold its reads")
+            wait_log(s, mark, r"read-hold: piece 1 of a streamed restore waits", "A's stream to hold its reads")
             s.abort(rid)
-            _wait_log(s, mark, rf"streamed restore aborted req={rid} reason=aborted", "the abort")
+            wait_log(s, mark, rf"streamed restore aborted req={rid} reason=aborted", "the abort")
             time.sleep(2.0)  # the scheduler is idle now: upstream's leak check runs while the reads are held
             assert s.alive() and LEAK not in s.log_text()[mark:], s.log_tail(80)
             gate.unlink()
@@ -244,7 +227,7 @@ def test_two_agents_one_pool_tp2(tmp_path: Path, hash_extension_built) -> None:
             b_ctx = b_rows[-1]["prompt_ids"] + b_rows[-1]["tokens"]
             code, h = s.post("/sglang_l3/prefetch", {"input_ids": b_ctx})
             assert code == 200, h
-            hint = _wait_hint(s, h["hint_id"])
+            hint = wait_hint(s, h["hint_id"])
             assert hint["state"] == "landed" and hint["cached"]["storage"] > host, hint
             b.turn()
 
