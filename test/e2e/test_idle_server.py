@@ -27,13 +27,12 @@ pass without the sleeper having slept.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import pytest
-from l3_e2e import NEW_TOKENS, PAGE_SIZE, PREFETCH_THRESHOLD, STARTUP_TIMEOUT, assert_same_output, restorable
+from l3_e2e import NEW_TOKENS, PAGE_SIZE, PREFETCH_THRESHOLD, STARTUP_TIMEOUT, assert_same_output, restorable, wait_hint
 from sglang_l3.storage.format import parse_page_name
 from sglang_l3.testing import idle, speed
 from sglang_l3.testing.server import Generation, Server, ServerConfig, prompt, warm_hicache_hash_extension
@@ -129,12 +128,7 @@ def _slept(s: Server, what: str) -> idle.IdleObservation:
 def _hint_landed(s: Server, body: dict) -> dict:
     code, h = s.post("/sglang_l3/prefetch", body)
     assert code == 200, h
-    deadline = time.monotonic() + speed.scaled(600)
-    while h["state"] == "staging":
-        assert time.monotonic() < deadline, f"hint {h['hint_id']} still staging: {h}\n{s.log_tail(30)}"
-        time.sleep(0.2)
-        h = json.loads(s.get_text(f"/sglang_l3/prefetch/{h['hint_id']}"))
-    return h
+    return wait_hint(s, h["hint_id"], timeout=speed.scaled(600))
 
 
 def test_restore_and_hint_after_the_scheduler_slept(server: Server, reference: dict[str, Generation]) -> None:
