@@ -8,9 +8,11 @@ default). Each gets one request (a prompt written to L3), a settle pause, then
 seconds are read (`Server.cpu_seconds`: launcher, tokenizer, scheduler ranks,
 detokenizer, all threads), and the rank-0 scheduler's main thread is sampled
 every 0.2 s (`sglang_l3.testing.idle.observe`: asleep = blocked in poll). CPU
-time, not wall time: the figure holds on a busy machine. Last line:
+time, not wall time. Part of it is torch's gloo transport loops (a 10 ms epoll
+tick per process group, whatever the server does; `sglang_l3.testing.idle`),
+reported apart: C is the sleeping server's CPU without them. Last line:
 
-    busy_core_fraction=A sleep_core_fraction=B ratio=A/B
+    busy_core_fraction=A sleep_core_fraction=B ratio=A/B sleep_without_gloo=C
 
     nice -n 10 .venv/bin/python benchmark/idle_cpu.py [--window 60] [--tp 1]
 """
@@ -38,6 +40,7 @@ def main() -> int:
     warm_hicache_hash_extension()
     work = Path(args.work or tempfile.mkdtemp(prefix="idle-cpu-"))
     fractions: dict[str, float] = {}
+    own: dict[str, float] = {}  # the same without gloo's transport loops
     for label, sleep in (("busy", False), ("sleep", True)):
         cfg = ServerConfig(
             storage_dir=str(work / label / "store"),
@@ -51,10 +54,13 @@ def main() -> int:
             s.generate(prompt(1, 400), 8)
             time.sleep(args.settle)
             obs = observe(s, args.window)
-        fractions[label] = obs.core_fraction
+        fractions[label], own[label] = obs.core_fraction, obs.own_core_fraction
         print(f"{label:5s} (--sleep-on-idle {'on' if sleep else 'off'}, TP={args.tp}): {obs}", flush=True)
     busy, asleep = fractions["busy"], fractions["sleep"]
-    print(f"busy_core_fraction={busy:.3f} sleep_core_fraction={asleep:.4f} ratio={busy / max(asleep, 1e-6):.0f}")
+    print(
+        f"busy_core_fraction={busy:.3f} sleep_core_fraction={asleep:.4f} ratio={busy / max(asleep, 1e-6):.0f} "
+        f"sleep_without_gloo={own['sleep']:.4f}"
+    )
     return 0
 
 

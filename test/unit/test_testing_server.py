@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sglang_l3.testing import exits, native_logs, speed
+from sglang_l3.testing import exits, idle, native_logs, speed
 from sglang_l3.testing.server import Server, ServerConfig, ServerError
 
 
@@ -169,6 +169,40 @@ def test_cpu_seconds_counts_the_process_tree(tmp_path: Path) -> None:
         while s.cpu_seconds() - c0 < 0.25 and time.monotonic() - t0 < deadline:
             time.sleep(0.1)
         assert s.cpu_seconds() - c0 >= 0.25  # the grandchild's CPU is counted
+
+
+def test_gloo_transport_loops_are_counted_apart(tmp_path: Path) -> None:
+    """idle.server_threads / transport_cpu: a thread named like gloo's transport loop
+    (`gloo_tcp_loop`, in a grandchild) is found and its CPU counted apart from the
+    server's own; the other threads' CPU is not."""
+    go = tmp_path / "go"
+    fake = _fake_launcher(
+        tmp_path,
+        'echo "The server is fired up and ready to roll!"\n'
+        f"{sys.executable} - <<'EOF' &\n"
+        "import os, threading, time\n"
+        "def loop():\n"
+        "    with open(f'/proc/self/task/{threading.get_native_id()}/comm', 'w') as f:\n"
+        "        f.write('gloo_tcp_loop')\n"
+        f"    while not os.path.exists({str(go)!r}):\n        time.sleep(0.01)\n"
+        "    t = time.thread_time()\n    while time.thread_time() - t < 0.3:\n        pass\n    time.sleep(600)\n"
+        "threading.Thread(target=loop, daemon=True).start()\ntime.sleep(600)\n"
+        "EOF\nwait",
+    )
+    with Server(ServerConfig(), tmp_path / "server.log", startup_timeout=60, python=fake) as s:
+        deadline = time.monotonic() + speed.scaled(60)
+        while not any(c == "gloo_tcp_loop" for c, _ in idle.server_threads(s).values()):
+            assert time.monotonic() < deadline, idle.server_threads(s)
+            time.sleep(0.05)
+        before, c0 = idle.server_threads(s), s.cpu_seconds()
+        go.touch()
+        while idle.transport_cpu(before, idle.server_threads(s))[0] < 0.25:
+            assert time.monotonic() < deadline + speed.scaled(60), idle.server_threads(s)
+            time.sleep(0.1)
+        seconds, loops = idle.transport_cpu(before, idle.server_threads(s))
+        own = s.cpu_seconds() - c0 - seconds
+        assert loops == 1 and seconds >= 0.25
+        assert own < 0.2, f"the loop's CPU counted as the server's own: {own:.2f} s"
 
 
 def test_exit_cause_for_a_normal_exit() -> None:

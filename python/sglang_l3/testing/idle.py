@@ -20,6 +20,8 @@ state "S", waiting in the kernel's poll.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,6 +32,8 @@ from sglang_l3.testing.server import Server, ServerError
 # the kernel function a thread blocked in poll()/ppoll() waits in (do_sys_poll ->
 # poll_schedule_timeout); other waits (futex: a lock, the GIL) are not the sleeper
 POLL_WCHAN = ("poll_schedule_timeout", "do_sys_poll", "do_poll")
+# thread names (/proc/.../comm) of torch's gloo transport loops: a 10 ms epoll tick each
+TRANSPORT_LOOP_COMMS = ("gloo_tcp_loop",)
 
 
 @dataclass
@@ -39,10 +43,22 @@ class IdleObservation:
     samples: int
     asleep: int  # samples with the rank-0 scheduler's main thread blocked in poll
     states: Counter = field(default_factory=Counter)  # "S:poll_schedule_timeout", "R:0", ...
+    transport_s: float = 0.0  # CPU of gloo's transport loop threads (in cpu_s)
+    transport_loops: int = 0  # how many such threads the server has
 
     @property
     def core_fraction(self) -> float:
         return self.cpu_s / self.wall_s
+
+    @property
+    def own_core_fraction(self) -> float:
+        """The server's idle cost without gloo's 10 ms transport ticks."""
+        return max(self.cpu_s - self.transport_s, 0.0) / self.wall_s
+
+    @property
+    def transport_core_fraction(self) -> float:
+        """What one gloo transport loop costs, on average (0 without any)."""
+        return self.transport_s / self.wall_s / max(self.transport_loops, 1)
 
     @property
     def asleep_fraction(self) -> float:
@@ -51,8 +67,9 @@ class IdleObservation:
     def __str__(self) -> str:
         top = ", ".join(f"{k} x{v}" for k, v in self.states.most_common(4))
         return (
-            f"{self.cpu_s:.2f} CPU-s in {self.wall_s:.1f} s = {self.core_fraction:.3f} of a core; "
-            f"scheduler asleep in poll in {self.asleep}/{self.samples} samples ({top})"
+            f"{self.cpu_s:.2f} CPU-s in {self.wall_s:.1f} s = {self.core_fraction:.3f} of a core "
+            f"({self.own_core_fraction:.3f} without {self.transport_loops} gloo transport loops' "
+            f"{self.transport_s:.2f} CPU-s); scheduler asleep in poll in {self.asleep}/{self.samples} samples ({top})"
         )
 
 
@@ -89,12 +106,44 @@ def thread_state(pid: int, tid: int | None = None) -> tuple[str, str]:
     return state, wchan
 
 
+def server_threads(server: Server) -> dict[tuple[int, int], tuple[str, float]]:
+    """{(pid, tid): (thread name, user + sys CPU seconds)} of every thread of the
+    server's processes (the launcher and everything below it)."""
+    import psutil
+
+    if server.proc is None:
+        raise ServerError("server not started")
+    root = psutil.Process(server.proc.pid)
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[tuple[int, int], tuple[str, float]] = {}
+    for p in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{p.pid}/task").iterdir():
+                with contextlib.suppress(OSError, ValueError):
+                    stat = (task / "stat").read_text()
+                    comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+                    fields = stat[stat.rindex(")") + 2 :].split()
+                    # fields 14 and 15 of stat(5) (utime, stime), counted from the state (3)
+                    out[(p.pid, int(task.name))] = (comm, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def transport_cpu(before: dict, after: dict) -> tuple[float, int]:
+    """(CPU seconds, count) of the gloo transport loop threads alive at both ends."""
+    seconds, loops = 0.0, 0
+    for key, (comm, t1) in after.items():
+        if comm.startswith(TRANSPORT_LOOP_COMMS) and key in before:
+            seconds += t1 - before[key][1]
+            loops += 1
+    return seconds, loops
+
+
 def observe(server: Server, seconds: float = 10.0, every: float = 0.2) -> IdleObservation:
     """Watch `server` for `seconds` (send it nothing meanwhile)."""
     pid = sleeping_scheduler_pid(server)
     states: Counter = Counter()
     asleep = samples = 0
-    c0, t0 = server.cpu_seconds(), time.monotonic()
+    th0, c0, t0 = server_threads(server), server.cpu_seconds(), time.monotonic()
     while time.monotonic() - t0 < seconds:
         state, wchan = thread_state(pid)
         states[f"{state}:{wchan or '?'}"] += 1
@@ -103,5 +152,6 @@ def observe(server: Server, seconds: float = 10.0, every: float = 0.2) -> IdleOb
         if state == "S" and (wchan in ("", "0") or any(w in wchan for w in POLL_WCHAN)):
             asleep += 1
         time.sleep(every)
-    c1, t1 = server.cpu_seconds(), time.monotonic()
-    return IdleObservation(t1 - t0, c1 - c0, samples, asleep, states)
+    c1, t1, th1 = server.cpu_seconds(), time.monotonic(), server_threads(server)
+    transport_s, loops = transport_cpu(th0, th1)
+    return IdleObservation(t1 - t0, c1 - c0, samples, asleep, states, transport_s, loops)
