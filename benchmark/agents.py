@@ -123,6 +123,9 @@ class Run:
     hints: int = 0
     rids: list[str] = field(default_factory=list)  # turns >= 2
     queue: list[float] = field(default_factory=list)  # server queue seconds of turns >= 2
+    # per turn >= 2: the client's TTFT less the server's queue time of the same request
+    # (admission to the first token on the client: load-back, prefill, streaming)
+    after_queue: list[float] = field(default_factory=list)
 
     @property
     def median_ttft(self) -> float:
@@ -131,6 +134,10 @@ class Run:
     @property
     def median_queue(self) -> float:
         return statistics.median(self.queue) if self.queue else float("nan")
+
+    @property
+    def median_after_queue(self) -> float:
+        return statistics.median(self.after_queue) if self.after_queue else float("nan")
 
     @property
     def hit(self) -> int:
@@ -220,20 +227,25 @@ def agents_run(
                     _, h = s.post("/sglang_l3/prefetch", {"session_id": f"agent-{nxt}"})
                     hint_id = h["hint_id"]
                 time.sleep(max(args.think, 0.0))
-    run.queue = queue_seconds(log_dir / f"{label}.log", run.rids)
+    server_queue(run, log_dir / f"{label}.log")
     return run
 
 
 QUEUE_RE = re.compile(r"ReqTimeStats\(rid=([^,]+),.*queue_duration=([0-9.]+)ms")
 
 
-def queue_seconds(log: Path, rids: list[str]) -> list[float]:
-    """Server-side queue time (arrival -> admitted to a prefill batch; an L3
-    restore waits here) of these requests, from upstream's ReqTimeStats lines."""
-    found: dict[str, float] = {}
-    for m in QUEUE_RE.finditer(log.read_text(errors="replace")):
-        found[m.group(1)] = float(m.group(2)) / 1e3
-    return [found[r] for r in rids if r in found]
+def queue_seconds(log: Path) -> dict[str, float]:
+    """{rid: server-side queue time} (arrival -> admitted to a prefill batch; an L3
+    restore waits here), from upstream's ReqTimeStats lines."""
+    return {m.group(1): float(m.group(2)) / 1e3 for m in QUEUE_RE.finditer(log.read_text(errors="replace"))}
+
+
+def server_queue(run: Run, log: Path) -> None:
+    """Fill run.queue and run.after_queue from the server's log; run.ttft and run.rids
+    are the same turns in the same order."""
+    found = queue_seconds(log)
+    run.queue = [found[r] for r in run.rids if r in found]
+    run.after_queue = [t - found[r] for t, r in zip(run.ttft, run.rids, strict=True) if r in found]
 
 
 def store_bytes(store: Path) -> int:
@@ -243,14 +255,14 @@ def store_bytes(store: Path) -> int:
 def print_table(runs: dict[str, Run]) -> None:
     print(
         f"{'run':9} {'turns>=2':>8} {'median TTFT ms':>15} {'L3 tokens':>10} {'device tokens':>14} "
-        f"{'cached %':>9} {'hints landed':>13} {'median queue ms':>16}"
+        f"{'cached %':>9} {'hints landed':>13} {'median queue ms':>16} {'median TTFT-queue ms':>21}"
     )
     for r in runs.values():
         cached = 100.0 * r.hit / r.prompt if r.prompt else float("nan")
         landed = f"{r.hints_landed}/{r.hints}" if r.hints else "-"
         print(
             f"{r.label:9} {len(r.ttft):8d} {r.median_ttft * 1e3:15.1f} {r.restored:10d} {r.device:14d} "
-            f"{cached:9.1f} {landed:>13} {r.median_queue * 1e3:16.1f}"
+            f"{cached:9.1f} {landed:>13} {r.median_queue * 1e3:16.1f} {r.median_after_queue * 1e3:21.1f}"
         )
 
 
@@ -499,7 +511,7 @@ def chat_run(
             run.prompt += int(row["prompt_tokens"])
         if args.verbose:
             print(f"  {label} call: {row['prompt_tokens']} tokens, cached {row['cached']}", flush=True)
-    run.queue = queue_seconds(log_dir / f"{label}.log", run.rids)
+    server_queue(run, log_dir / f"{label}.log")
     return run, pins
 
 

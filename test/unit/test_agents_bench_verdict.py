@@ -47,3 +47,21 @@ def test_readme_verdict(bench, readme_ttft: float, readme_hit: int, calls: int, 
 def test_plain_defaults_give_forty_returning_calls(bench) -> None:
     """4 agents x PLAIN_TURNS turns: every turn after an agent's first returns."""
     assert 4 * (bench.PLAIN_TURNS - 1) >= bench.MIN_RETURNING
+
+
+def test_ttft_split_at_the_servers_queue(bench, tmp_path: Path) -> None:
+    """A's gap split per call: the client's TTFT less the server's queue time of the same
+    request (upstream's ReqTimeStats line), matched by rid; a request the log lacks is
+    left out of both lists, not matched to another's time."""
+    log = tmp_path / "server.log"
+    log.write_text(
+        "[t] ReqTimeStats(rid=a1, input_len=9, cached_input_len=0, output_len=8, attempts=0, type=unified): "
+        "queue_duration=40.00ms, forward_duration=290.31ms, entry_time=1.0\n"
+        "[t] ReqTimeStats(rid=c3, input_len=9, cached_input_len=0, output_len=8, attempts=0, type=unified): "
+        "queue_duration=10.00ms, forward_duration=200.00ms, entry_time=2.0\n"
+    )
+    run = bench.Run("readme", ttft=[0.100, 0.080, 0.050], rids=["a1", "b2", "c3"])
+    bench.server_queue(run, log)
+    assert run.queue == pytest.approx([0.040, 0.010])
+    assert run.after_queue == pytest.approx([0.060, 0.040])
+    assert run.median_after_queue == pytest.approx(0.050)
