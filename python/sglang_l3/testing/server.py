@@ -444,17 +444,24 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def cpu_seconds(self) -> float:
-        """User + system CPU seconds used so far by the server's live processes: the
-        launcher and everything below it (tokenizer, scheduler ranks, detokenizer),
-        all threads. The difference over a window is the server's CPU in it."""
+    def processes(self) -> list:
+        """The server's live processes (psutil): the launcher and everything below it
+        (tokenizer, scheduler ranks, detokenizer)."""
         import psutil
 
         if self.proc is None:
             raise ServerError("server not started")
         root = psutil.Process(self.proc.pid)
+        return [root, *root.children(recursive=True)]
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds used so far by the server's live processes
+        (`processes()`), all threads. The difference over a window is the server's
+        CPU in it."""
+        import psutil
+
         total = 0.0
-        for p in [root, *root.children(recursive=True)]:
+        for p in self.processes():
             with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
                 t = p.cpu_times()
                 total += t.user + t.system
