@@ -18,6 +18,11 @@ than one regular piece (restorable 320 tokens, a ~384-token buffer, 128-token pi
 comes back from L3 after `/flush_cache` in rounds too (five 64-token pieces) (patch `stream-fitting-hits`): the no-cache
 answer, and each rank's `l3_stream_restore{fitting}` counts it.
 
+A prompt within a page of the device pool (prompt + the per-request page = the pool), on
+the same L3 server, last: both ranks refuse it at arrival with an error the client sees
+(HTTP 400), and the server answers the next request as the no-cache one does. Without
+patch `prompt-fits-pool` it is queued for ever and every request behind it waits.
+
 Issue 24 item 5, on the same L3 server: one rank's page past a stored checkpoint is
 damaged between rounds (the prompt is prefilled in 256-token chunks, so L3 holds a
 Mamba checkpoint every 256 tokens). Both ranks restore up to the deepest checkpoint
@@ -47,6 +52,7 @@ from l3_e2e import (
 from sglang_l3.testing.server import Generation, Server, ServerConfig, prompt
 from tp2_e2e import (
     DEVICE,
+    REQUEST_TIMEOUT,
     TEST_BOUND,
     TP,
     bounded,
@@ -68,6 +74,9 @@ HICACHE_RATIO = 0.09  # host KV pool ~ 0.09 x 4096 = 384 tokens (page-rounded)
 NEW = 16
 IDS = prompt(500, 1800)
 FIT_IDS = prompt(501, 330)  # restorable 320: fits the host buffer, > one piece (stream-fitting-hits)
+# prompt + a page = the pool: no empty pool admits it (patch prompt-fits-pool refuses it)
+UNFIT_IDS = prompt(502, POOL - PAGE_SIZE)
+AFTER_IDS = prompt(503, 200)  # served after the refusal
 VERIFY_FAIL = "TP ranks made different L3 restore decisions"
 
 
@@ -96,6 +105,7 @@ class Run:
     server: Server | None = None
     want: Generation | None = None
     want_fit: Generation | None = None
+    want_after: Generation | None = None
     servers: list[Server] = field(default_factory=list)
 
 
@@ -117,6 +127,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, family: str, hash_extension_bu
         with bounded(TEST_BOUND, "reference", lambda: r.servers):
             r.want = generate(ref, IDS, NEW, "reference")
             r.want_fit = generate(ref, FIT_IDS, NEW, "reference (fitting prefix)")
+            r.want_after = generate(ref, AFTER_IDS, NEW, "reference (after a refusal)")
         r.servers.clear()
     assert len(set(r.want.output_ids)) > 1, "degenerate dummy weights"
     r.server = Server(_config(r.store, family), root / "l3.log", startup_timeout=STARTUP_TIMEOUT).start()
@@ -226,3 +237,16 @@ def test_tp2_streamed_damage_restores_up_to_the_checkpoint_below(
         assert not any(other.name in q for q in new_q), f"the other rank's page was quarantined: {new_q}"
         # the recompute rewrote the damaged page: the next round starts from a whole store
         wait_for(lambda: page_file(run.store, key, pool, rank) is not None, 120, "damaged page rewritten")
+
+
+def test_tp2_a_prompt_no_empty_pool_admits_is_refused_and_the_server_serves_on(run: Run) -> None:
+    s = run.server
+    with bounded(TEST_BOUND, "a prompt within a page of the pool at TP=2", lambda: run.servers):
+        body = {"input_ids": UNFIT_IDS, "sampling_params": {"max_new_tokens": NEW, "temperature": 0}}
+        status, answer = s.post("/generate", body, timeout=REQUEST_TIMEOUT)
+        assert status == 400, (status, str(answer)[:500], s.log_tail(40))
+        assert "exceeds the KV memory budget" in str(answer), answer
+        assert "prompt-fits-pool" in s.log_text()
+        got = generate(s, AFTER_IDS, NEW, "the request after the refusal")
+        same_output(got, run.want_after, "after the refusal")
+        assert VERIFY_FAIL not in s.log_text(), s.log_tail(80)
