@@ -699,6 +699,13 @@ def main() -> int:
         ap.error(f"the last turn ({final} tokens + answer) exceeds the tiny model's context length {limit}")
     if args.noise is None:
         args.noise = int(args.context * PLAIN_NOISE) if args.plain else args.context // 2
+    # a prompt no empty pool admits is refused (patch prompt-fits-pool): say so before any server starts
+    largest, page = max(final, args.noise), max(args.page_size, PAGE)  # admission charges each request a page
+    if largest + args.new + page >= pool:
+        ap.error(
+            f"device pool {pool} tokens: the largest prompt ({largest} tokens) + its answer ({args.new}) + a "
+            f"page ({page}) does not fit; raise --pool"
+        )
     if args.skip is None:
         args.skip = "return" if args.agents < MANY else "cold,hinted,device,capped"
     skip = set(filter(None, args.skip.split(",")))
