@@ -122,8 +122,8 @@ def test_device_pools_by_hand() -> None:
     budget = int(24 * GiB * 0.85) - 8 * GiB
     state, kv = 76_972_032, 32_768
     assert p.device_pool_budget == budget
-    # two contexts need 2 x (8 GiB + 6 x state) > budget - state: one fits
-    assert (budget - state) // (262144 * kv + 6 * state) == 1
+    # two contexts need 2 x (8 GiB and a page + 6 x state) > budget - state: one fits
+    assert (budget - state) // ((262144 + 64) * kv + 6 * state) == 1
     assert p.max_running_requests == 1 and p.device_mamba_slots == 6 == MAMBA_SLOTS_PER_REQUEST + 1
     assert p.device_kv_tokens == (budget - 7 * state) // kv // 64 * 64
     assert p.device_contexts == 1
@@ -134,6 +134,19 @@ def test_device_pools_by_hand() -> None:
     assert (
         "--quantization gptq" in p.flags and "--quantization gptq" not in make_plan(_inputs(tp=4, quant="bf16")).flags
     )
+
+
+def test_a_context_needs_a_page_beside_its_kv() -> None:
+    """A pool of exactly one context's KV tokens is refused: admission charges every request
+    a page, so the server would refuse prompts within a page of the context (patch
+    prompt-fits-pool). One page more, and it fits."""
+    state, kv = 76_972_032, 32_768
+    top = int(24 * GiB * 0.85)
+    exact = top - (7 * state + 262144 * kv)  # weights leaving KV for the context alone
+    with pytest.raises(PlanError, match="--context 262144: .* and a page"):
+        make_plan(_inputs(weights_bytes=exact))
+    p = make_plan(_inputs(weights_bytes=exact - 64 * kv))
+    assert p.device_contexts == 1 and p.device_kv_tokens == 262144 + 64
 
 
 def test_host_pools_follow_upstreams_ratio_rule() -> None:

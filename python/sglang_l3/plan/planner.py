@@ -205,18 +205,21 @@ def make_plan(i: Inputs) -> Plan:
             f"{_gib(i.gpu_mem * i.mem_fraction_static)} does not hold the weights ({_gib(weights)} per rank, "
             f"{i.quant}): raise --tp, quantize (--quant), or raise --mem-fraction-static"
         )
-    per_ctx = ctx_kv + (MAMBA_SLOTS_PER_REQUEST + 1) * state  # its KV, its running slots, its tree state
+    # a context on the device: its KV + the page admission charges every request (a prompt of the
+    # whole pool is refused: patch prompt-fits-pool), its running slots, its state in the tree
+    seat = ctx + i.page_size
+    per_ctx = seat * kv + (MAMBA_SLOTS_PER_REQUEST + 1) * state
     fit = (budget - state) // per_ctx if budget > state else 0
     if fit < 1:
         raise PlanError(
-            f"--context {ctx}: one context needs {_gib(per_ctx)} per rank on the device (KV {_gib(ctx_kv)} + "
-            f"{MAMBA_SLOTS_PER_REQUEST + 1} Mamba slots of {_gib(state)}), but --gpu-mem x --mem-fraction-static "
+            f"--context {ctx}: one context needs {_gib(per_ctx)} per rank on the device (KV {_gib(ctx_kv)} and a page "
+            f"+ {MAMBA_SLOTS_PER_REQUEST + 1} Mamba slots of {_gib(state)}), but --gpu-mem x --mem-fraction-static "
             f"less the weights leaves {_gib(budget)}: raise --tp or --mem-fraction-static, or lower --context"
         )
     running = int(min(i.agents, fit))
     slots = running * (MAMBA_SLOTS_PER_REQUEST + 1)
     kv_tokens = _page_down((budget - (slots + 1) * state) / kv, i.page_size)
-    device_contexts = kv_tokens // ctx
+    device_contexts = kv_tokens // seat
     if device_contexts < i.agents:
         notes.append(
             f"{device_contexts} of {i.agents} contexts stay on the device; the others wait in L3 and come back "
