@@ -1,15 +1,16 @@
 """Patch `prompt-fits-pool` (why: patches/series.toml): a prompt that no empty KV
-pool could admit is refused at arrival, not queued forever.
+pool could admit is refused at arrival, not queued for ever.
 
-How: AROUND `BaseTokenToKVPoolAllocator.max_new_tokens_for_memory` (the scheduler's
-arrival-time clip, whose None upstream turns into an abort: "Request prompt exceeds
-the KV memory budget") the prompt's smallest admission is compared with the pool:
-what `PrefillAdder.add_one_req` charges with no new token (the prompt, the per-request
-page, a shared-pool state slot, the allocator's request reserve) must be strictly
-below the capacity, as `PrefillBudget.check_prefill` requires. When it is not, the
-answer is None. Everything else is upstream's answer, so a prompt that fits with
-fewer new tokens than asked keeps upstream's clip. The decision reads only the
-request and the configuration: every TP rank makes the same one.
+How: AROUND `Scheduler.init_req_max_new_tokens` (the arrival-time clip of a request
+to the empty pool), after upstream's clip: the prompt that will be admitted (the
+request's, or its truncation under `--allow-auto-truncate`) is compared with the
+pool. What `PrefillAdder.add_one_req` charges it with no new token (the prompt, the
+per-request page, a shared-pool state slot, the allocator's request reserve) must be
+strictly below the pool's capacity, as `PrefillBudget.check_prefill` requires; when
+it is not, the request is aborted through upstream's own path (HTTP 400 naming the
+figures). A prompt upstream's length check refuses anyway keeps upstream's error,
+and every other request upstream's clip. The decision reads only the request and the
+configuration: every TP rank makes the same one.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from sglang_l3.patches.framework import PatchContext
 
 logger = logging.getLogger(__name__)
 
-TARGET = "sglang.srt.mem_cache.allocator.base:BaseTokenToKVPoolAllocator.max_new_tokens_for_memory"
+TARGET = "sglang.srt.managers.scheduler:Scheduler.init_req_max_new_tokens"
 
 
 def smallest_admission(allocator: Any, input_tokens: int) -> int:
@@ -38,28 +39,48 @@ def smallest_admission(allocator: Any, input_tokens: int) -> int:
     return need
 
 
-def _max_new_tokens_for_memory(
-    orig: Callable[..., int | None], allocator: Any, input_tokens: int, max_new_tokens: int, **kwargs: Any
-) -> int | None:
-    answer = orig(allocator, input_tokens, max_new_tokens, **kwargs)
-    if answer is None:
+def pool_capacity(sched: Any) -> int:
+    """The token capacity upstream's arrival clip gives the allocator (one page per shard
+    but the first is reserved by admission's own overhead)."""
+    widening = int(getattr(sched, "kv_shard_widening", 1) or 1)
+    return int(sched.max_total_num_tokens) * widening - int(sched.page_size) * (widening - 1)
+
+
+def refusal(sched: Any, req: Any) -> str | None:
+    """Why `req` can never be admitted, or None. Leaves to upstream what it refuses
+    itself: an earlier abort, or a prompt its length check rejects."""
+    if getattr(req, "to_finish", None) is not None:
         return None
-    capacity = int(kwargs["token_capacity"])
-    need = smallest_admission(allocator, input_tokens)
-    if need >= capacity:
-        logger.warning(
-            "sglang-l3 prompt-fits-pool: a prompt of %d tokens needs %d KV tokens to be "
-            "admitted (the prompt, a page of %d and the request's reserves), the empty "
-            "pool holds %d: refused. Shorten the prompt or give the pool more tokens "
-            "(--max-total-tokens, --mem-fraction-static).",
-            input_tokens,
-            need,
-            allocator.page_size,
-            capacity,
-        )
+    from sglang.srt.runtime_context import get_serving
+
+    length = len(req.origin_input_ids)
+    limit = sched.max_req_input_len
+    if length >= limit:  # upstream's validate_input_length: an error, or a truncation
+        if not get_serving().allow_auto_truncate:
+            return None
+        length = limit
+    allocator = sched.token_to_kv_pool_allocator
+    need, capacity = smallest_admission(allocator, length), pool_capacity(sched)
+    if need < capacity:
         return None
-    return answer
+    return (
+        f"Request prompt exceeds the KV memory budget: a prompt of {length} tokens needs {need} KV "
+        f"tokens to be admitted (the prompt, a page of {allocator.page_size} and the request's "
+        f"reserves), the device pool holds {capacity}. Use a shorter prompt or give the pool more "
+        "tokens (--max-total-tokens, --mem-fraction-static)."
+    )
+
+
+def _init_req_max_new_tokens(orig: Callable[..., Any], sched: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    result = orig(sched, req, *args, **kwargs)
+    why = refusal(sched, req)
+    if why is not None:
+        logger.warning("sglang-l3 prompt-fits-pool: %s (rid %s)", why, req.rid)
+        req.set_finish_with_abort(why)
+        req.sampling_params.max_new_tokens = 0  # as upstream's own abort in this method
+        req.sampling_params.min_new_tokens = min(req.sampling_params.min_new_tokens, 0)
+    return result
 
 
 def apply(ctx: PatchContext) -> None:
-    ctx.around(TARGET, _max_new_tokens_for_memory)
+    ctx.around(TARGET, _init_req_max_new_tokens)
