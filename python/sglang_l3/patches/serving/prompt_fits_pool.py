@@ -40,8 +40,9 @@ def smallest_admission(allocator: Any, input_tokens: int) -> int:
 
 
 def pool_capacity(sched: Any) -> int:
-    """The token capacity upstream's arrival clip gives the allocator (one page per shard
-    but the first is reserved by admission's own overhead)."""
+    """The empty pool's token capacity, as upstream's arrival clip computes it for the
+    allocator (`token_capacity`; with sharded KV, admission's page per shard beyond the
+    first is taken off)."""
     widening = int(getattr(sched, "kv_shard_widening", 1) or 1)
     return int(sched.max_total_num_tokens) * widening - int(sched.page_size) * (widening - 1)
 
