@@ -1,13 +1,13 @@
 """Patch `prompt-fits-pool` on the real scheduler path (`SchedulerHarness`: upstream's
-`Scheduler.init_req_max_new_tokens`, `_add_request_to_queue`, `PrefillAdder`): every
-prompt is either refused at arrival or admitted by an empty pool, at the lengths around
-admission's boundary (a page below it, either side of it, the pool's last two tokens),
-page 1 and page 64. Without the patch
-the prompts within a page of the pool are neither: admission answers "no room" with
-nothing running and nothing to evict, pass after pass (a server spins on them for ever
-and every request behind them waits; upstream #28530). On a server upstream's input-length
-check (`max_req_input_len`, the pool less 6) already refuses the last six lengths; at
-page 64 the 58 below them are the ones that hung."""
+arrival as `Scheduler.handle_generate_request` runs it, `_add_request_to_queue`,
+`PrefillAdder`): every prompt is either refused at arrival or admitted by an empty pool,
+at the lengths around admission's boundary (a page below it, either side of it, the
+pool's last two tokens), page 1 and page 64. Upstream's input-length check
+(`max_req_input_len`, the pool less 6) refuses the last six lengths itself, with its own
+message. Without the patch, at page 64, the 58 lengths below those are neither refused
+nor admitted: admission answers "no room" with nothing running and nothing to evict,
+pass after pass (a server spins on them for ever and every request behind them waits;
+upstream #28530)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def _admitted_alone(h: SchedulerHarness, req: object) -> bool:
 
 
 def _lengths(page: int) -> list[int]:
-    edge = POOL - page  # the first length upstream neither refuses nor admits
+    edge = POOL - page  # the first length admission cannot take (prompt + a page = the pool)
     return sorted({edge - page - 1, edge - 2, edge - 1, edge, edge + 1, POOL - 2, POOL - 1} & set(range(1, POOL)))
 
 
