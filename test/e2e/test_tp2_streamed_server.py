@@ -18,6 +18,15 @@ than one regular piece (restorable 320 tokens, a ~384-token buffer, 128-token pi
 comes back from L3 after `/flush_cache` in rounds too (five 64-token pieces) (patch `stream-fitting-hits`): the no-cache
 answer, and each rank's `l3_stream_restore{fitting}` counts it.
 
+A "speaks next" hint beside other agents' greedy requests, on the same L3 server: agents
+share a system prompt; after `/flush_cache` each agent's request is sent right after a hint
+(`POST /sglang_l3/prefetch`) that stages another agent's context from L3, so the hint's
+prefill-only request and the agent's request share batches. Every answer equals the no-cache
+server's. Before the hint's sampling parameters were greedy (sessions/hints.py
+HINT_SAMPLING_PARAMS), a hint took the running batch off upstream's greedy sampling path for
+the rest of its life, and greedy requests broke exact logit ties by sorting (`--load-format
+dummy` at TP=2 ties token t with t + vocab/2): other agents' tokens changed.
+
 A prompt within a page of the device pool (prompt + the per-request page = the pool), on
 the same L3 server, last: both ranks refuse it at arrival with an error the client sees
 (HTTP 400), and the server answers the next request as the no-cache one does. Without
@@ -77,6 +86,11 @@ FIT_IDS = prompt(501, 330)  # restorable 320: fits the host buffer, > one piece 
 # prompt + a page = the pool: no empty pool admits it (patch prompt-fits-pool refuses it)
 UNFIT_IDS = prompt(502, POOL - PAGE_SIZE)
 AFTER_IDS = prompt(503, 200)  # served after the refusal
+# agents sharing a 2-page system prompt: the hinted contexts and the requests beside them
+SYSTEM_IDS = prompt(504, 2 * PAGE_SIZE)
+HINTED_IDS = [SYSTEM_IDS + prompt(510 + i, 80) for i in range(3)]
+BESIDE_IDS = [SYSTEM_IDS + prompt(520 + i, 57) for i in range(3)]
+HINT_ROUNDS = 2
 VERIFY_FAIL = "TP ranks made different L3 restore decisions"
 
 
@@ -106,6 +120,7 @@ class Run:
     want: Generation | None = None
     want_fit: Generation | None = None
     want_after: Generation | None = None
+    want_beside: list[Generation] = field(default_factory=list)
     servers: list[Server] = field(default_factory=list)
 
 
@@ -128,6 +143,9 @@ def run(tmp_path_factory: pytest.TempPathFactory, family: str, hash_extension_bu
             r.want = generate(ref, IDS, NEW, "reference")
             r.want_fit = generate(ref, FIT_IDS, NEW, "reference (fitting prefix)")
             r.want_after = generate(ref, AFTER_IDS, NEW, "reference (after a refusal)")
+            r.want_beside = [
+                generate(ref, ids, NEW, f"reference (beside a hint) {i}") for i, ids in enumerate(BESIDE_IDS)
+            ]
         r.servers.clear()
     assert len(set(r.want.output_ids)) > 1, "degenerate dummy weights"
     r.server = Server(_config(r.store, family), root / "l3.log", startup_timeout=STARTUP_TIMEOUT).start()
@@ -237,6 +255,22 @@ def test_tp2_streamed_damage_restores_up_to_the_checkpoint_below(
         assert not any(other.name in q for q in new_q), f"the other rank's page was quarantined: {new_q}"
         # the recompute rewrote the damaged page: the next round starts from a whole store
         wait_for(lambda: page_file(run.store, key, pool, rank) is not None, 120, "damaged page rewritten")
+
+
+def test_tp2_a_hint_beside_greedy_requests_changes_none_of_their_tokens(run: Run) -> None:
+    s = run.server
+    with bounded(TEST_BOUND, "hints beside greedy requests at TP=2", lambda: run.servers):
+        for i, ids in enumerate(HINTED_IDS):
+            generate(s, ids, NEW, f"hinted context {i}")
+        for rnd in range(HINT_ROUNDS):
+            flush(s, f"flush before round {rnd}")  # the contexts come back from L3
+            for i, ids in enumerate(BESIDE_IDS):
+                other = HINTED_IDS[(i + rnd + 1) % len(HINTED_IDS)]
+                status, out = s.post("/sglang_l3/prefetch", {"input_ids": other}, timeout=REQUEST_TIMEOUT)
+                assert status == 200 and "hint_id" in out, (status, out)
+                got = generate(s, ids, NEW, f"round {rnd} request {i} beside a hint")
+                same_output(got, run.want_beside[i], f"round {rnd} request {i} beside a hint")
+    assert VERIFY_FAIL not in s.log_text(), s.log_tail(80)
 
 
 def test_tp2_a_prompt_no_empty_pool_admits_is_refused_and_the_server_serves_on(run: Run) -> None:

@@ -108,7 +108,7 @@ class _TM:
 
 
 def test_a_due_session_is_staged_as_a_hint_of_its_last_context(monkeypatch):
-    from sglang_l3.sessions.hints import BOOK, Prediction, hint_session
+    from sglang_l3.sessions.hints import BOOK, HINT_SAMPLING_PARAMS, Prediction, hint_session
 
     clock = _Clock()
     monkeypatch.setenv("SGLANG_L3_PREDICTED_RETURN", "50")
@@ -125,7 +125,7 @@ def test_a_due_session_is_staged_as_a_hint_of_its_last_context(monkeypatch):
         (hint,) = pred.stage_due(tm)
         await asyncio.wait_for(hint.done.wait(), 10)
         assert [hint_session(o.rid) for o in tm.seen] == ["agent-p"]
-        assert tm.seen[0].input_ids == [5, 6, 7, 8] and tm.seen[0].sampling_params == {"max_new_tokens": 0}
+        assert tm.seen[0].input_ids == [5, 6, 7, 8] and tm.seen[0].sampling_params == HINT_SAMPLING_PARAMS
         assert hint.state == "landed"
         assert pred.stage_due(tm) == [] and len(tm.seen) == 1
 

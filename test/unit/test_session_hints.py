@@ -11,6 +11,7 @@ from sglang_l3.patches import framework
 from sglang_l3.sessions.hints import (
     DEFERRED_DEVICE_FULL,
     HINT_RID_PREFIX,
+    HINT_SAMPLING_PARAMS,
     HintBook,
     HintError,
     hint_rid,
@@ -73,7 +74,7 @@ def test_identical_hints_run_once_and_requests_join():
         assert created1 and not created2 and h1 is h2
         await asyncio.sleep(0)
         assert [o.rid for o in sched.seen] == [h1.id] and h1.id.startswith(HINT_RID_PREFIX)
-        assert sched.seen[0].sampling_params == {"max_new_tokens": 0}
+        assert sched.seen[0].sampling_params == HINT_SAMPLING_PARAMS
         # a request extending the hinted context waits; an unrelated one does not
         assert book.covering([1, 2, 3, 4, 9], None) == [h1]
         assert book.covering([1, 2, 3], None) == [] and book.covering([7, 2, 3, 4, 5], None) == []
@@ -90,6 +91,34 @@ def test_identical_hints_run_once_and_requests_join():
         await asyncio.wait_for(h3.done.wait(), 10)
 
     asyncio.run(main())
+
+
+def test_a_hint_is_a_greedy_row_whatever_the_server_prefers():
+    """A hint shares batches with users' requests; upstream samples a batch greedily only
+    when every row is greedy (`SamplingBatchInfo.is_all_greedy`: top_k <= 1), and keeps a
+    running batch off that path once a sampled row was in it. The hint's parameters, with
+    a server's `--preferred-sampling-params` filled in as TokenizerManager fills them
+    (what the request sets wins), are a greedy row without filters or penalties (the
+    server test, test_tp2_streamed_server.py, shows what a sampled hint changed)."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    preferred = {
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 20,
+        "min_p": 0.05,
+        "frequency_penalty": 0.1,
+        "presence_penalty": 1.5,
+        "repetition_penalty": 1.05,
+    }
+    sp = SamplingParams(**{**preferred, **HINT_SAMPLING_PARAMS})
+    sp.verify(vocab_size=1024)
+    assert sp.max_new_tokens == 0
+    assert sp.top_k <= 1, sp.top_k  # is_all_greedy's test
+    assert (sp.top_p, sp.min_p) == (1.0, 0.0)
+    assert (sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty) == (0.0, 0.0, 1.0)
+    # the control: the parameters a hint had before (upstream's defaults) are a sampled row
+    assert SamplingParams(max_new_tokens=0).top_k > 1
 
 
 def test_a_failing_hint_is_a_state():

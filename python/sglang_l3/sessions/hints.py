@@ -45,6 +45,22 @@ DEFERRED_DEVICE_FULL = "deferred_device_full"
 # together hold too little of its context: staging it would be a prefill (patch
 # session-guard; the marker is carried in the abort message).
 NOT_RESTORABLE = "not_restorable"
+# A hint's sampling parameters. It computes no token, but it shares batches with the
+# users' requests: sampled parameters (upstream's defaults, or the server's
+# `--preferred-sampling-params`, which fill what a request leaves unset) take a whole batch off upstream's
+# greedy path (`SamplingBatchInfo.is_all_greedy`, which `filter_batch` never recomputes, so
+# every later step of that running batch stays off it), and greedy requests then break
+# exact ties by sorting instead of argmax: a hint changed other requests' tokens. Greedy
+# and neutral, a hint leaves the batch's sampling as the users' requests make it.
+HINT_SAMPLING_PARAMS: dict[str, float | int] = {
+    "max_new_tokens": 0,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
 MAX_CONTEXTS = 4096  # sessions whose last context this process remembers
 MAX_FINISHED = 4096  # finished hints kept for status queries
 JOIN_TIMEOUT_S = 600.0
@@ -177,7 +193,7 @@ class HintBook:
     async def _run(self, tm: Any, h: Hint) -> None:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        obj = GenerateReqInput(input_ids=list(h.ids), sampling_params={"max_new_tokens": 0}, rid=h.id)
+        obj = GenerateReqInput(input_ids=list(h.ids), sampling_params=dict(HINT_SAMPLING_PARAMS), rid=h.id)
         try:
             last = None
             async for out in tm.generate_request(obj, None):
