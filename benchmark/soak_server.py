@@ -37,6 +37,17 @@ prompt + 4 new = 448 computed, counted 64 tokens no state ever covered). R < C m
 soak: each short restore is printed with which, and the summary line counts them
 (short_restores=, short_after_damage=).
 
+Sessions and hints (phase 2 only: neither may change an answer). Agents below
+--explicit-sessions send a top-level `session_id` (the others none: implicit sessions);
+with --p-hint a turn is preceded by a "speaks next" hint (`POST /sglang_l3/prefetch`: the
+session, or the agent's last context as `input_ids`), for another agent's context instead
+with --p-hint-other (a wrong guess), then the turn is sent at once or after the hint
+settled; with --p-close an explicit agent's session is closed after its turn (its next
+turn continues under the same id); aborted copies carry the agent's session id; and
+--predicted-return / --tool-pin set SGLANG_L3_PREDICTED_RETURN / SGLANG_L3_TOOL_PIN on the
+L3 server. A hint that the server answers with anything but 200, or that ends "failed",
+is counted (hint_errors=) and fails the run.
+
 Bursts (issue 24; --p-burst of the plan's entries): a long prefix (4-8x the host
 staging buffer, on a device pool too short for two copies of it) is written to L3
 by one request, flushed from the device, then 2-4 requests sharing it are sent at
@@ -49,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import re
@@ -135,6 +147,18 @@ def main() -> int:
         default=0.05,
         help="flush, then abort a copy of the next request at a random point of its restore from L3 (issue 48)",
     )
+    ap.add_argument(
+        "--explicit-sessions",
+        type=int,
+        default=0,
+        help="agents 0..N-1 send a top-level session_id (the others none: implicit sessions)",
+    )
+    ap.add_argument("--p-hint", type=float, default=0.0, help="share of turns preceded by a speaks-next hint")
+    ap.add_argument("--p-hint-other", type=float, default=0.25, help="share of hints naming another agent")
+    ap.add_argument("--p-close", type=float, default=0.0, help="close an explicit agent's session after its turn")
+    ap.add_argument("--predicted-return", default=None, help="SGLANG_L3_PREDICTED_RETURN on the L3 server")
+    ap.add_argument("--tool-pin", default=None, help="SGLANG_L3_TOOL_PIN on the L3 server")
+    ap.add_argument("--trace", action="store_true", help="print what phase 2 does before each turn")
     ap.add_argument("--request-timeout", type=float, default=180.0)
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--work", default=None, help="logs and store (default: a temporary directory)")
@@ -177,6 +201,12 @@ def main() -> int:
         plan = plan[: args.entries]
     systems = [prompt(9000 + i, 128) for i in range(2)]
 
+    l3_env = {"SGLANG_L3_VERIFY": "1"}
+    if args.predicted_return is not None:
+        l3_env["SGLANG_L3_PREDICTED_RETURN"] = args.predicted_return
+    if args.tool_pin is not None:
+        l3_env["SGLANG_L3_TOOL_PIN"] = args.tool_pin
+
     def config(with_store: bool) -> ServerConfig:
         return ServerConfig(
             storage_dir=str(store) if with_store else None,
@@ -186,7 +216,7 @@ def main() -> int:
             page_size=64,
             prefetch_threshold=64 if with_store else None,
             extra_args=["--hicache-ratio", f"{ratio:.6f}"] if with_store else [],
-            env={"SGLANG_L3_VERIFY": "1"},
+            env=l3_env if with_store else {"SGLANG_L3_VERIFY": "1"},
             overlap_schedule=not args.disable_overlap_schedule,
         )
 
@@ -194,6 +224,7 @@ def main() -> int:
     inputs: list = []  # per plan entry: a request's ids, or a burst's (writer, [ids])
     refs: list = []  # per plan entry: a Generation, or a burst's list of them
     restorable: list[int] = []  # per plan entry: the deepest state the agent's previous turn kept
+    speakers: list[int | None] = []  # per plan entry: the agent of a turn (None: a burst)
     history = {a: list(systems[a % 2]) for a in range(args.agents)}
     kept = {a: 0 for a in range(args.agents)}
     t0 = time.monotonic()
@@ -211,6 +242,7 @@ def main() -> int:
                 inputs.append((prefix + wtail, burst, len(prefix)))
                 refs.append([plain.generate(ids, args.new_tokens, timeout=args.request_timeout) for ids in burst])
                 restorable.append(0)  # not a turn after a flush (counted in bursts= / burst_shared=)
+                speakers.append(None)
                 done += len(burst)
             else:
                 _, agent, user = entry
@@ -218,6 +250,7 @@ def main() -> int:
                 g = plain.generate(ids, args.new_tokens, timeout=args.request_timeout)
                 inputs.append(ids)
                 refs.append(g)
+                speakers.append(agent)
                 restorable.append(min(kept[agent], (len(ids) - 1) // CHECKPOINT * CHECKPOINT))
                 history[agent] = ids + g.output_ids
                 # the last token was sampled, never computed
@@ -236,6 +269,7 @@ def main() -> int:
     short = short_damaged = 0  # restores after a flush shorter than restorable; of them, past a damaged page
     damaged: set[str] = set()  # page keys this soak damaged (any pool, any rank)
     max_dlogp = 0.0
+    sessions = Sessions(args.explicit_sessions)
     t1 = time.monotonic()
     server = Server(config(True), work / "hicache.log", startup_timeout=args.startup_timeout)
     try:
@@ -268,8 +302,28 @@ def main() -> int:
                 else:
                     continue
                 break
+            agent = speakers[i]
+            assert agent is not None
+            extra = sessions.extra(agent)
+            if args.p_hint and rng.random() < args.p_hint:
+                others = [a for a in sessions.last if a != agent]
+                target = rng.choice(others) if others and rng.random() < args.p_hint_other else agent
+                wait = rng.random() < 0.5
+                state = sessions.hint(server, target, wait=wait, timeout=args.request_timeout)
+                if args.trace:
+                    print(f"  [{i}] hint agent {target} wait={wait}: {state}", flush=True)
             r = rng.random()
             flushed = r < args.p_flush
+            if args.trace:
+                what = ("flush", "fault", "abort", "abort-restore")
+                edges = [args.p_flush, args.p_fault, args.p_abort, args.p_abort_restore]
+                acc, act = 0.0, "-"
+                for name, p in zip(what, edges, strict=True):
+                    acc += p
+                    if r < acc:
+                        act = name
+                        break
+                print(f"  [{i}] turn of agent {agent} ({len(ids)} tokens, {extra}): {act}", flush=True)
             if flushed:
                 server.flush_cache(timeout=args.request_timeout)
                 flushes += 1
@@ -286,6 +340,7 @@ def main() -> int:
                     rng,
                     f"soak-abort-{i}",
                     args.request_timeout,
+                    extra=extra,
                 )
             elif r < args.p_flush + args.p_fault + args.p_abort + args.p_abort_restore:
                 # the device empty, so the copy restores from L3 (streamed when its hit is larger
@@ -299,9 +354,10 @@ def main() -> int:
                     f"soak-abort-restore-{i}",
                     args.request_timeout,
                     after_log=STREAM_START,
+                    extra=extra,
                 )
             try:
-                g = server.generate(ids, args.new_tokens, timeout=args.request_timeout)
+                g = server.generate(ids, args.new_tokens, timeout=args.request_timeout, extra=extra)
             except (
                 TimeoutError,
                 urllib.error.URLError,
@@ -331,6 +387,9 @@ def main() -> int:
             bad, dlogp = compare(g, refs[i], f"request {i}")
             mismatches += bad
             max_dlogp = max(max_dlogp, dlogp)
+            sessions.spoke(agent, ids + g.output_ids)
+            if args.p_close and extra is not None and rng.random() < args.p_close:
+                sessions.close(server, agent, timeout=args.request_timeout)
             if (i + 1) % 50 == 0:
                 print(
                     f"  soak entry {i + 1}/{len(inputs)}: requests={requests} restored_tokens={restored}",
@@ -347,7 +406,7 @@ def main() -> int:
         f"soak_server: tp={args.tp} agents={args.agents} seed={args.seed} flushes={flushes} "
         f"faults={faults} aborts={aborts} restore_aborts={restore_aborts} bursts={bursts} burst_shared={shared} "
         f"wait_abandoned={abandoned} max_logprob_diff={max_dlogp:.3g} "
-        f"short_restores={short} short_after_damage={short_damaged} "
+        f"short_restores={short} short_after_damage={short_damaged} {sessions.summary()} "
         f"reference {t1 - t0:.0f}s, soak {time.monotonic() - t1:.0f}s, logs in {work}"
     )
     print(
@@ -357,7 +416,8 @@ def main() -> int:
         flush=True,
     )
     wanted = args.requests if args.entries is None else sum(len(e[3]) if e[0] == "burst" else 1 for e in plan)
-    return 1 if (mismatches or hangs or disagreements or abandoned or requests < wanted) else 0
+    failed = mismatches or hangs or disagreements or abandoned or sessions.errors
+    return 1 if (failed or requests < wanted) else 0
 
 
 def compare(g, want, what: str) -> tuple[int, float]:
@@ -369,7 +429,7 @@ def compare(g, want, what: str) -> tuple[int, float]:
         where = [k for k, d in enumerate(diffs) if d > 0.0]
         print(
             f"  MISMATCH {what}: {g.output_ids} vs {want.output_ids} (dlogprob {dlogp:.3g} at output "
-            f"positions {where}, {g.source}; no-cache: {want.source})",
+            f"positions {where}, {g.source}; no-cache: {want.source}; logprobs {g.logprobs} vs {want.logprobs})",
             flush=True,
         )
         return 1, dlogp
@@ -390,6 +450,69 @@ def stored(store: Path, ids: list[int], tp: int, get_hash_str) -> bool:
         return any(n.startswith(f"{key}.{pool}-") and n.endswith(f".r{rank}of{tp}.bin") for n in names)
 
     return all(all(has(k, "kv", r) for k in keys) and has(keys[-1], "mamba", r) for r in range(tp))
+
+
+class Sessions:
+    """Phase 2's session side: explicit session ids, hints, closes, and what they returned."""
+
+    def __init__(self, explicit: int):
+        self.explicit = explicit
+        self.last: dict[int, list[int]] = {}  # agent -> its last context (input + output)
+        self.states: dict[str, int] = {}  # hint outcome -> count
+        self.closes = 0
+        self.errors = 0
+
+    def sid(self, agent: int) -> str | None:
+        return f"soak-agent-{agent}" if agent < self.explicit else None
+
+    def extra(self, agent: int) -> dict | None:
+        sid = self.sid(agent)
+        return {"session_id": sid} if sid else None
+
+    def spoke(self, agent: int, context: list[int]) -> None:
+        self.last[agent] = context
+
+    def _count(self, state: str) -> None:
+        self.states[state] = self.states.get(state, 0) + 1
+
+    def _error(self, what: str) -> None:
+        self.errors += 1
+        print(f"  HINT ERROR {what}"[:400], flush=True)
+
+    def hint(self, server, agent: int, wait: bool, timeout: float) -> str:
+        """A speaks-next hint for `agent`'s last context (by session id when it has one);
+        when `wait`, poll it until it settles."""
+        if agent not in self.last:
+            return "no context yet"
+        sid = self.sid(agent)
+        body: dict = {"session_id": sid} if sid else {"input_ids": self.last[agent]}
+        status, out = server.post("/sglang_l3/prefetch", body, timeout=timeout)
+        if status != 200 or not isinstance(out, dict) or "hint_id" not in out:
+            self._error(f"agent {agent} {body.get('session_id') or 'input_ids'}: HTTP {status} {out}")
+            return f"HTTP {status}"
+        self._count("joined" if out.get("joined") else "sent")
+        if not wait:
+            return f"{out.get('state')} {out['hint_id']}"
+        deadline = time.monotonic() + timeout
+        state = out.get("state")
+        while state == "staging" and time.monotonic() < deadline:
+            time.sleep(0.05)
+            out = json.loads(server.get_text(f"/sglang_l3/prefetch/{out['hint_id']}", timeout=timeout))
+            state = out.get("state")
+        self._count(str(state))
+        if state not in ("landed", "deferred_device_full", "not_restorable"):
+            self._error(f"agent {agent}: hint ended {state}: {out}")
+        return f"{state} {out}"
+
+    def close(self, server, agent: int, timeout: float) -> None:
+        status, out = server.post("/close_session", {"session_id": self.sid(agent)}, timeout=timeout)
+        if status != 200:
+            self._error(f"close agent {agent}: HTTP {status} {out}")
+        self.closes += 1
+
+    def summary(self) -> str:
+        states = ",".join(f"{k}:{v}" for k, v in sorted(self.states.items())) or "none"
+        return f"hints={states} closes={self.closes} hint_errors={self.errors}"
 
 
 def run_burst(
@@ -480,6 +603,7 @@ def abort_copy(
     rid: str,
     timeout: float,
     after_log: re.Pattern | None = None,
+    extra: dict | None = None,
 ) -> int:
     """Send a copy of the next request and abort it after a random short delay (counted
     from the first new server log line matching `after_log`, when given: at most 5 s)."""
@@ -488,7 +612,7 @@ def abort_copy(
 
     def run() -> None:
         try:
-            box["g"] = server.generate(ids, new_tokens * 8, timeout=timeout, rid=rid)
+            box["g"] = server.generate(ids, new_tokens * 8, timeout=timeout, rid=rid, extra=extra)
         except Exception as e:  # noqa: BLE001 - an aborted stream may end in any way
             box["e"] = e
 
