@@ -10,6 +10,9 @@ it prints counts, and its last line is exactly
         [--pool 4096 --hicache-ratio 0.09 --max-history 2300]   (issue 24's workload)
         [--entries N]                  (the same plan and draws, cut after N entries: replay one request)
         [--disable-overlap-schedule]   (both servers; the user's have it on)
+        [--model tiny-qwen35-text]     (the user's architecture; default tiny Qwen3-Next)
+        [--explicit-sessions 4 --p-hint 0.5 --p-close 0.1 --predicted-return p50 --tool-pin on]
+                                       (the agent features, below)
 
 Phase 1 runs the whole workload on the no-cache server (histories grow with
 its answers); phase 2 replays the same inputs, in the same order, on a
@@ -114,6 +117,11 @@ def workload(rng: random.Random, n: int, agents: int, p_burst: float, host: int)
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a packaged tiny model (tiny-qwen3next, the default; tiny-qwen35-text: the user's architecture)",
+    )
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--agents", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
@@ -209,6 +217,7 @@ def main() -> int:
 
     def config(with_store: bool) -> ServerConfig:
         return ServerConfig(
+            **({"model": args.model} if args.model else {}),
             storage_dir=str(store) if with_store else None,
             tp_size=args.tp,
             max_total_tokens=args.pool,
@@ -403,7 +412,7 @@ def main() -> int:
     finally:
         server.stop()
     print(
-        f"soak_server: tp={args.tp} agents={args.agents} seed={args.seed} flushes={flushes} "
+        f"soak_server: tp={args.tp} model={args.model or 'default'} agents={args.agents} seed={args.seed} flushes={flushes} "
         f"faults={faults} aborts={aborts} restore_aborts={restore_aborts} bursts={bursts} burst_shared={shared} "
         f"wait_abandoned={abandoned} max_logprob_diff={max_dlogp:.3g} "
         f"short_restores={short} short_after_damage={short_damaged} {sessions.summary()} "
