@@ -167,6 +167,11 @@ def main() -> int:
     ap.add_argument("--predicted-return", default=None, help="SGLANG_L3_PREDICTED_RETURN on the L3 server")
     ap.add_argument("--tool-pin", default=None, help="SGLANG_L3_TOOL_PIN on the L3 server")
     ap.add_argument("--trace", action="store_true", help="print what phase 2 does before each turn")
+    ap.add_argument(
+        "--hints-drawn-not-sent",
+        action="store_true",
+        help="an A/B control: the same draws as --p-hint, no hint sent (every other action as with them)",
+    )
     ap.add_argument("--request-timeout", type=float, default=180.0)
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--work", default=None, help="logs and store (default: a temporary directory)")
@@ -318,7 +323,11 @@ def main() -> int:
                 others = [a for a in sessions.last if a != agent]
                 target = rng.choice(others) if others and rng.random() < args.p_hint_other else agent
                 wait = rng.random() < 0.5
-                state = sessions.hint(server, target, wait=wait, timeout=args.request_timeout)
+                state = (
+                    "drawn, not sent"
+                    if args.hints_drawn_not_sent
+                    else sessions.hint(server, target, wait=wait, timeout=args.request_timeout)
+                )
                 if args.trace:
                     print(f"  [{i}] hint agent {target} wait={wait}: {state}", flush=True)
             r = rng.random()
