@@ -49,7 +49,8 @@ settled; with --p-close an explicit agent's session is closed after its turn (it
 turn continues under the same id); aborted copies carry the agent's session id; and
 --predicted-return / --tool-pin set SGLANG_L3_PREDICTED_RETURN / SGLANG_L3_TOOL_PIN on the
 L3 server. A hint that the server answers with anything but 200, or that ends "failed",
-is counted (hint_errors=) and fails the run.
+and a close answered with anything but 200, are counted (hint_errors=) and fail the run;
+--hints-drawn-not-sent keeps the hints' draws without sending them (an A/B control).
 
 Bursts (issue 24; --p-burst of the plan's entries): a long prefix (4-8x the host
 staging buffer, on a device pool too short for two copies of it) is written to L3
