@@ -161,6 +161,6 @@ def hold_read(piece: int) -> None:
         since = _HOLD_SINCE.setdefault(READ_HOLD, time.monotonic())
         if time.monotonic() - since >= HOLD_S:
             return
-        if changed("read-hold", (piece, since)):
+        if changed(f"read-hold {piece}", since):  # once per piece: two readers wait at once
             logger.warning("read-hold: piece %d of a streamed restore waits for %s", piece, path)
         time.sleep(0.02)

@@ -202,3 +202,65 @@ def test_unpinned_base_evicted_after_staging(tmp_path, monkeypatch, core: str) -
         req, loaded = st.restore(seq, "again")
         st.check_restored(seq, req, loaded, want, kv=True)
         back_to_baseline(st, req)
+
+
+@pytest.mark.all_seeds(core=("rust",))
+@pytest.mark.parametrize("core", TREE_CORES)
+def test_a_stopped_stream_gives_its_device_rows_back_while_its_reads_hang(tmp_path, monkeypatch, core: str) -> None:
+    """A store that stops answering (a hung disk) while a stream's pieces are read: the
+    timeout policy stops the stream and the request recomputes, which needs device rows.
+    The stream gives its rows R and its anchor pin back at the next tick, although its
+    reads are still in flight (they fill host slots only, freed when they return);
+    before, R stayed taken until the reads returned, and every request that needed
+    those rows waited with it (a server's whole pool, for as long as the store hung)."""
+    import threading
+
+    import sglang_l3.patches.hicache.streamed_restore as sr
+
+    seq = list(range(11, 11 + CONTEXT))
+    with stack(tmp_path, core) as w:
+        w.write(seq, marker=4.0)
+        w.settle()
+    read = sr._read_piece
+    store_back = threading.Event()
+    calls: list[int] = []
+    hung: list[int] = []
+
+    def hanging_read(cc, op, keys, host, prefix):
+        calls.append(len(keys))
+        if len(calls) > 1:  # the first piece is read; the store hangs after it
+            hung.append(len(keys))
+            assert store_back.wait(120), "the test never released the store"
+        return read(cc, op, keys, host, prefix)
+
+    monkeypatch.setattr(sr, "_read_piece", hanging_read)
+    with stack(tmp_path, core) as st:
+        cache, pipe = st.cache, st.cache.buffer_pipeline
+        lane = lane_of(pipe)
+        cache.prefetch_stop_policy = "timeout"
+        cache.prefetch_timeout_base = cache.prefetch_timeout_per_page = 0.0
+        free_before = st.allocator.available_size()
+        try:
+            h = st.start_prefetch(seq, "p")
+            pump(st, lambda: h in lane.streams and bool(hung), "a read to hang")
+            s = lane.streams[h]
+            assert len(s.rows) > 0 and s.pieces
+            assert st.allocator.available_size() < free_before
+            assert cache.check_prefetch_progress(h) is False, "the first poll starts the budget"
+            time.sleep(0.01)
+            assert cache.check_prefetch_progress(h) is True, "the timeout policy must stop the stream"
+            cache.pop_prefetch_loaded_tokens(h)
+            pump(
+                st,
+                lambda: st.allocator.available_size() == free_before,
+                "the stopped stream to give its rows back",
+                timeout=60,
+            )
+            # the reads still hang: the stream holds their host slots, nothing on the device
+            assert h in lane.streams and s.state == "aborting" and s.pieces and s.pin is None and not len(s.rows)
+            assert not pipe.is_idle(), "host slots are still held: the leak check must not run"
+        finally:
+            store_back.set()
+        pump(st, lambda: not lane.streams, "the stopped stream to end once its reads returned")
+        assert metrics.get("l3_stream_restore", "stop_timeout") >= 1
+        back_to_baseline(st)

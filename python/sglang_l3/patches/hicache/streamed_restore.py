@@ -648,15 +648,22 @@ def _end(pipe: Any, s: Stream, outcome: str, *, free_rows: bool = True) -> None:
         return
     del lane.streams[s.handle]
     assert not s.pieces, "stream ended with host pieces in flight"
-    # Rows a copy may still be writing (R, and the rows a cut gave up) are freed once
-    # the copies completed (`_retire`).
+    _give_back_device(pipe, s, free_rows=free_rows)
+    metrics.inc("l3_stream_restore", outcome)
+
+
+def _give_back_device(pipe: Any, s: Stream, *, free_rows: bool = True) -> None:
+    """Give the stream's device rows (R unless `free_rows` is False, and the rows a cut
+    gave up) and its anchor pin back, once: rows a copy may still be writing are freed
+    when it completed (`_retire`)."""
     give = [t for t in (s.rows if free_rows else None, s.spare) if t is not None and len(t)]
     s.spare = None
+    if free_rows:
+        s.rows = s.rows[:0]
     _retire(pipe, s, torch.cat(give) if len(give) > 1 else (give[0] if give else None))
     if s.pin is not None:
         pipe._cache.tree_core.dec_full_pin(s.pin)
         s.pin = None
-    metrics.inc("l3_stream_restore", outcome)
 
 
 def abort_stream(pipe: Any, s: Stream, reason: str) -> None:
@@ -750,6 +757,11 @@ def _tick(cache: Any) -> None:
         if s.state == "aborting":
             if not s.pieces and not s.copying:
                 _end(pipe, s, s.reason)
+            elif s.pieces and (len(s.rows) or s.spare is not None or s.pin is not None):
+                # Reads still in flight (a slow or hung store) fill host slots only: the
+                # device rows and the pin go now, so the request the stop policy sent to
+                # recompute, and every other, is not kept off the device until they return.
+                _give_back_device(pipe, s)
             continue
         if s.state == "cutting" and not s.pieces:
             if len(s.rows):
