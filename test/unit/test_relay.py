@@ -109,3 +109,46 @@ def test_gate_holds_then_sends_to_the_upstream_current_at_release() -> None:
             release.set()
             relay.stop()
     assert out["held"] == (201, b"data: new b\n\ndata: [DONE]\n\n")
+
+
+def test_a_client_that_leaves_a_silent_answer_closes_the_servers_connection() -> None:
+    """A client that leaves while the server sends nothing yet (a restore in progress)
+    is a disconnect the server sees at once, as without the relay (upstream aborts a
+    disconnected request); before, the relay waited for the server's next chunk."""
+    import socket
+
+    answering = threading.Event()
+    closed = threading.Event()
+
+    class Silent(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            answering.set()
+            # no byte of an answer: wait for the peer's close (recv returns b"")
+            self.connection.settimeout(30)
+            try:
+                if self.connection.recv(1) == b"":
+                    closed.set()
+            except OSError:
+                closed.set()
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Silent)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    relay = Relay(lambda: f"http://127.0.0.1:{httpd.server_address[1]}").start()
+    try:
+        host, port = relay.base.removeprefix("http://").split(":")
+        client = socket.create_connection((host, int(port)), timeout=30)
+        client.sendall(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}")
+        assert answering.wait(30), "the request never reached the server"
+        assert not closed.wait(0.5), "the server's connection closed before the client left"
+        client.close()
+        assert closed.wait(10), "the client left, the server's connection stayed open"
+    finally:
+        relay.stop()
+        httpd.shutdown()
+        httpd.server_close()

@@ -9,12 +9,18 @@ slow answer, not a failed call), then forward it to the new server.
 
 Every request is forwarded as it came (method, path, body, content type); the answer
 is streamed back chunk by chunk (server-sent events stay live) and the connection
-closed after it. Nothing is changed in either direction.
+closed after it. Nothing is changed in either direction. A client that goes away
+(closes its socket) closes the relay's connection to the server at once, even while
+the server sends nothing (a restore in progress): the server sees the disconnect and
+aborts the request as it would without the relay.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import select
+import socket
 import threading
 import time
 import urllib.parse
@@ -70,6 +76,10 @@ class Relay:
                 url = urllib.parse.urlsplit(relay.upstream())
                 conn = http.client.HTTPConnection(url.hostname, url.port, timeout=relay.timeout)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _DROP}
+                done, left = threading.Event(), threading.Event()
+                threading.Thread(
+                    target=_close_upstream_when_client_leaves, args=(self.connection, conn, done, left), daemon=True
+                ).start()
                 try:
                     t0 = time.perf_counter()
                     conn.request(self.command, self.path, body=body if n else None, headers=headers)
@@ -87,7 +97,11 @@ class Relay:
                         first = False
                         self.wfile.write(chunk)
                         self.wfile.flush()
+                except (OSError, http.client.HTTPException):
+                    if not left.is_set():
+                        raise  # not the client's leaving: report it
                 finally:
+                    done.set()
                     conn.close()
 
             do_GET = _relay  # noqa: N815 (BaseHTTPRequestHandler's names)
@@ -104,3 +118,31 @@ class Relay:
             self._httpd.shutdown()
             self._httpd.server_close()
             self._httpd = None
+
+
+def _close_upstream_when_client_leaves(
+    client: socket.socket, conn: http.client.HTTPConnection, done: threading.Event, left: threading.Event
+) -> None:
+    """Shut the server connection down once the client's socket reads end-of-file (it
+    sent its one request already: anything readable now is its close) or fails."""
+    gone = False
+    while not done.is_set():
+        if not gone:
+            try:
+                readable, _, _ = select.select([client], [], [], 0.2)
+                if not readable:
+                    continue
+                gone = not client.recv(1, socket.MSG_PEEK)
+            except (OSError, ValueError):
+                gone = True  # reset or closed: the client is gone as well
+            if not gone:
+                done.wait(0.2)  # bytes after its request: not a close
+                continue
+        sock = conn.sock
+        if sock is None:  # the server connection is not open yet
+            done.wait(0.05)
+            continue
+        left.set()
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        return
