@@ -52,6 +52,11 @@ WRITER = PREFIX + prompt(25, 40)  # computing it writes KV and Mamba checkpoints
 # through by an earlier burst would make a later one's hit longer than the prefix
 BURSTS = {n: [PREFIX + prompt(10 * n + i, 198 + 20 * i) for i in range(n)] for n in (2, 3)}
 NEW = 8
+# prompts L3 does not hold (one per abort case), each needing more rows than the pool has
+# beside a streamed PREFIX
+FRESH = [prompt(90 + j, 2432) for j in range(5)]
+# how long a request may wait while an aborted stream's reads hang (the fault holds them 120 s)
+FRESH_TIMEOUT_S = 45.0
 POLICIES = ("best_effort", "wait_complete", "timeout")
 WATCHDOG = "l3_wait_abandoned"
 VERIFY_FAIL = "TP ranks made different L3 restore decisions"
@@ -312,8 +317,11 @@ def test_abort_mid_restore_keeps_the_server(burst: Burst, core: str) -> None:
     client disconnecting and (TP=2) by upstream's waiting-queue timeout, with upstream's
     strict idle leak check on (its default). Before the fix the scheduler went idle while
     the aborted stream still held its rows and exited on `pool memory leak detected`.
-    After each abort the server stays up and flushes; at the end the same request is
-    answered as the no-cache server answers it, its prefix restored from L3."""
+    After each abort the server stays up and, while the aborted stream's reads still
+    hang, answers a new prompt that needs more rows than the pool has beside the stream's
+    (its device rows are back at once; before 2026-12-07 that prompt waited for the hung
+    reads); then it flushes; at the end the same request is answered as the no-cache
+    server answers it, its prefix restored from L3."""
     ref = burst.reference()
     store = burst.store(f"abort-{core}")
     read_gate = burst.root / f"read-hold-{core}.gate"
@@ -329,7 +337,7 @@ def test_abort_mid_restore_keeps_the_server(burst: Burst, core: str) -> None:
     with Server(cfg, burst.root / f"abort-{core}.log", startup_timeout=STARTUP_TIMEOUT) as s:
         with bounded(TEST_BOUND * 2, f"aborts mid-restore at TP={burst.tp}", lambda: [s]):
             burst.write_prefix(s, store)
-            for how, k in ABORTS[burst.tp]:
+            for j, (how, k) in enumerate(ABORTS[burst.tp]):
                 what = f"{how} after {k} of {STREAM_PIECES} pieces (TP={burst.tp}, {core})"
                 flush(s, f"flush before {what}")
                 rid = f"abort-{how}-{k}"
@@ -356,6 +364,14 @@ def test_abort_mid_restore_keeps_the_server(burst: Burst, core: str) -> None:
                 # aborted stream's reads are still held in flight
                 time.sleep(2.0)
                 assert s.alive() and LEAK not in s.log_text()[mark:], f"{what}: the server died\n{s.log_tail(80)}"
+                # The reads still hang, yet the aborted stream's device rows are back: a prompt
+                # needing more than the rest of the pool is answered now (before 2026-12-07 it
+                # waited until the reads returned: a hung store held the pool).
+                try:
+                    fresh = s.generate(FRESH[j], NEW, timeout=FRESH_TIMEOUT_S)
+                except (TimeoutError, OSError) as e:
+                    raise AssertionError(f"{what}: a new prompt waited on the hung reads: {e}") from e
+                assert len(fresh.output_ids) == NEW and fresh.cached_storage == 0, fresh.meta
                 read_gate.unlink()
                 flush(s, f"flush after {what}")  # refused until the stream has freed its rows
                 text = s.log_text()[mark:]
