@@ -206,16 +206,22 @@ def test_unpinned_base_evicted_after_staging(tmp_path, monkeypatch, core: str) -
 
 @pytest.mark.all_seeds(core=("rust",))
 @pytest.mark.parametrize("core", TREE_CORES)
-def test_a_stopped_stream_gives_its_device_rows_back_while_its_reads_hang(tmp_path, monkeypatch, core: str) -> None:
+def test_a_stopped_stream_gives_its_device_rows_back_while_its_reads_hang(
+    tmp_path, monkeypatch, core: str, sim_device
+) -> None:
     """A store that stops answering (a hung disk) while a stream's pieces are read: the
     timeout policy stops the stream and the request recomputes, which needs device rows.
     The stream gives its rows R and its anchor pin back at the next tick, although its
     reads are still in flight (they fill host slots only, freed when they return);
     before, R stayed taken until the reads returned, and every request that needed
-    those rows waited with it (a server's whole pool, for as long as the store hung)."""
+    those rows waited with it (a server's whole pool, for as long as the store hung).
+    On the simulated asynchronous device the first piece's copy into R is kept unacked
+    over the stop: R goes back only once that copy completed, never while it may still
+    write."""
     import threading
 
     import sglang_l3.patches.hicache.streamed_restore as sr
+    from sglang_l3.sim import streams as sim_streams
 
     seq = list(range(11, 11 + CONTEXT))
     with stack(tmp_path, core) as w:
@@ -240,9 +246,16 @@ def test_a_stopped_stream_gives_its_device_rows_back_while_its_reads_hang(tmp_pa
         cache.prefetch_stop_policy = "timeout"
         cache.prefetch_timeout_base = cache.prefetch_timeout_per_page = 0.0
         free_before = st.allocator.available_size()
+        held = sim_device is not None
         try:
+            if held:
+                sim_streams.hold_acks(True)  # the first piece's copy into R stays in flight
             h = st.start_prefetch(seq, "p")
-            pump(st, lambda: h in lane.streams and bool(hung), "a read to hang")
+            pump(
+                st,
+                lambda: h in lane.streams and bool(hung) and (not held or bool(lane.streams[h].copying)),
+                "a read to hang" + (" beside a copy in flight" if held else ""),
+            )
             s = lane.streams[h]
             assert len(s.rows) > 0 and s.pieces
             assert st.allocator.available_size() < free_before
@@ -250,6 +263,13 @@ def test_a_stopped_stream_gives_its_device_rows_back_while_its_reads_hang(tmp_pa
             time.sleep(0.01)
             assert cache.check_prefetch_progress(h) is True, "the timeout policy must stop the stream"
             cache.pop_prefetch_loaded_tokens(h)
+            if held:
+                pump(st, lambda: not len(s.rows), "the stopped stream to hand its rows to its copy")
+                for _ in range(20):
+                    st.cache.check_hicache_events()
+                assert lane.retiring, "the copy in flight must keep the rows it writes"
+                assert st.allocator.available_size() < free_before, "rows freed while a copy may write them"
+                sim_streams.hold_acks(False)
             pump(
                 st,
                 lambda: st.allocator.available_size() == free_before,
@@ -260,6 +280,7 @@ def test_a_stopped_stream_gives_its_device_rows_back_while_its_reads_hang(tmp_pa
             assert h in lane.streams and s.state == "aborting" and s.pieces and s.pin is None and not len(s.rows)
             assert not pipe.is_idle(), "host slots are still held: the leak check must not run"
         finally:
+            sim_streams.hold_acks(False)
             store_back.set()
         pump(st, lambda: not lane.streams, "the stopped stream to end once its reads returned")
         assert metrics.get("l3_stream_restore", "stop_timeout") >= 1
