@@ -60,12 +60,14 @@ RC=0
 # 1. SGLang: installed, or the carried kit (the dry run builds a missing or stale one
 #    with the repository's venv, which has what the builder reads)
 KIT_BUILDER=${KIT_BUILDER:-.venv/bin/python}
-if (( DRY )) && ! "$PY" -c 'import sglang' 2>/dev/null && [[ -x $KIT_BUILDER ]] \
+INSTALLED=0  # asked once: importing sglang takes seconds
+"$PY" -c 'import sglang' 2>/dev/null && INSTALLED=1
+if (( DRY && ! INSTALLED )) && [[ -x $KIT_BUILDER ]] \
     && ! "$KIT_BUILDER" test/gpu/build_kit.py --check-only --out "$KIT" >/dev/null 2>&1; then
     say "dry run: building the kit into $KIT ($KIT_BUILDER test/gpu/build_kit.py)"
     "$KIT_BUILDER" test/gpu/build_kit.py --out "$KIT" || { say "building the kit FAILED"; exit 3; }
 fi
-if "$PY" -c 'import sglang' 2>/dev/null; then
+if (( INSTALLED )); then
     say "sglang importable as installed: no kit needed"
 elif [[ -f $KIT/site.tar.xz ]]; then
     say "unpacking the kit $KIT into $KIT_SITE"
@@ -158,11 +160,15 @@ if (( RUN_TESTS )); then
         esac
     fi
 else
+    # one collection (one process importing the stack): a node id that is not there fails it
     say "dry run: collecting the selection and the fence control (CACHE_DRY_RUN_TESTS=1 runs them)"
-    "${PYTEST[@]}" --collect-only "${SELECTION[@]}" | tail -n 1
-    (( PIPESTATUS[0] == 0 )) || { say "selection: collection FAILED"; RC=1; }
-    SGLANG_L3_TEST_FAULT=skip-load-fence "${PYTEST[@]}" --collect-only "${FENCE[@]}" | tail -n 1
-    (( PIPESTATUS[0] == 0 )) || { say "fence control: collection FAILED"; RC=1; }
+    SGLANG_L3_TEST_FAULT=skip-load-fence "${PYTEST[@]}" --collect-only "${SELECTION[@]}" "${FENCE[@]}" \
+        > "$WORK/collect.log" 2>&1
+    COL=$?
+    tail -n 1 "$WORK/collect.log"
+    (( COL == 0 )) || { tail -n 20 "$WORK/collect.log"; say "selection and fence control: collection FAILED"; RC=1; }
+    grep -q "^${FENCE[0]}" "$WORK/collect.log" && say "fence control collected: ${FENCE[0]}" \
+        || { say "fence control: ${FENCE[0]} not collected"; RC=1; }
 fi
 
 # 5. restore_bench on the device (it leaves CACHE_SWITCH_RESERVE_S to step 6 where

@@ -42,7 +42,8 @@ def test_dry_run(tmp_path: Path) -> None:
     cache = (tmp_path / "cache_check.log").read_text()
     assert "cache steps: all passed" in log
     assert "doctor: all good" in cache and "tree core" in cache
-    assert cache.count("tests collected") == 2 and "restore_bench: done" in cache
+    assert cache.count("tests collected") == 1 and "restore_bench: done" in cache
+    assert "fence control collected: test/integration/test_streamed_restore_async.py::" in cache
     # 6. agent_switch through the same device switch: both switches exact, both turns in L3
     assert "agent_switch.py --device cpu --context 1024" in cache and "agent_switch: done" in cache
     assert "a_pages_in_l3=yes exact=yes switches=2 context=1024" in cache
