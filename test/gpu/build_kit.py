@@ -6,11 +6,13 @@ needs to import the project's CPU suite, carried as one xz tarball.
   .venv/bin/python test/gpu/build_kit.py --check-only    # verify the kit against its manifest
   # on the GPU machine (carry .gpukit/site.tar.xz and .gpukit/manifest.json, not .gpukit/wheels):
   tar -xJf .gpukit/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD/python
+  # (+ :/tmp/runner where the image's pytest has no pytest-xdist)
 
 The kit's site/ holds SGLang (the pin in sglang_l3.SGLANG_PIN, .py tree and
 package data, of its Rust extensions only the tree core), the wheels below at
 the versions installed in this repo's .venv (the ones the CPU suite runs
-against), and the test-only sgl_kernel shim (test/gpu/kit/sgl_kernel). Wheels
+against), and the test-only sgl_kernel shim (test/gpu/kit/sgl_kernel); its runner/
+holds pytest-xdist and execnet, for an image whose pytest lacks them. Wheels
 are fetched with pip for the target's tags, cached in <out>/wheels (reruns are
 offline), unpacked without pip so nothing is byte-compiled for the wrong Python.
 Exit: 0 ok; 1 failure, with a one-line reason on stderr.
@@ -82,6 +84,11 @@ TORCH_BOUND = {"torchvision": "0.26.0"}
 IMAGE_HAS = re.compile(
     r"^(torch|triton|numpy|nvidia-.*|cuda-.*|filelock|fsspec|jinja2|markupsafe|mpmath|networkx|sympy|setuptools)$"
 )
+# The test runner's parallel plugin, carried beside site/ in runner/ (not resolved:
+# pytest itself is the image's). cache_check.sh puts runner/ on the path only where
+# the image's Python cannot import xdist, so an image's own copy is never shadowed;
+# without it the selection would run in one process, too slow for the budget.
+RUNNER = ["pytest-xdist", "execnet"]
 # Dependencies left out: big, and not needed to import any module the suite loads.
 LEFT_OUT = {
     "hf-xet": "huggingface-hub's Xet download backend (a ~9 MB .so); imported only when downloading",
@@ -340,8 +347,9 @@ def add_project_metadata(site: Path) -> str:
     return f"{name}=={ver}: " + ", ".join(f"{g}:{k}" for g, eps in groups.items() for k in eps)
 
 
-def make_tarball(site: Path, out: Path) -> None:
-    """Reproducible: sorted names, zeroed owners and times."""
+def make_tarball(trees: dict[str, Path], out: Path) -> None:
+    """Each tree under its name (site/, runner/). Reproducible: sorted names, zeroed
+    owners and times."""
 
     def norm(ti: tarfile.TarInfo) -> tarfile.TarInfo:
         ti.uid = ti.gid = 0
@@ -351,10 +359,10 @@ def make_tarball(site: Path, out: Path) -> None:
 
     tmp = out.with_suffix(".tmp")
     with tarfile.open(tmp, "w:xz", preset=9) as tar:
-        paths = sorted(site.rglob("*"))
-        tar.add(site, arcname="site", recursive=False, filter=norm)
-        for p in paths:
-            tar.add(p, arcname=str(Path("site") / p.relative_to(site)), recursive=False, filter=norm)
+        for name, root in sorted(trees.items()):
+            tar.add(root, arcname=name, recursive=False, filter=norm)
+            for p in sorted(root.rglob("*")):
+                tar.add(p, arcname=str(Path(name) / p.relative_to(root)), recursive=False, filter=norm)
     tmp.replace(out)
 
 
@@ -427,6 +435,10 @@ def build(out: Path, py: str) -> dict:
     pkgs, left = resolve(py)
     pkgs = {"sglang": {"name": "sglang", "venv_version": pin, "why": "the pin (sglang_l3.SGLANG_PIN)"}, **pkgs}
     fetch(pkgs, out / "wheels", py)
+    why = "cache_check.sh's -n, used only where the image's Python lacks it"
+    runner = {canonicalize_name(n): {"name": canonicalize_name(n), "venv_version": venv_version(n), "why": why}
+              for n in RUNNER}  # fmt: skip
+    fetch(runner, out / "wheels", py)
     with tempfile.TemporaryDirectory(prefix="gpukit-") as tmp:
         site = Path(tmp) / "site"
         site.mkdir()
@@ -435,9 +447,13 @@ def build(out: Path, py: str) -> dict:
         pruned = prune(site)
         shim_ver = add_shim(site)
         project_eps = add_project_metadata(site)
+        runner_dir = Path(tmp) / "runner"
+        runner_dir.mkdir()
+        for p in runner.values():
+            unpack(out / "wheels" / p["wheel"], runner_dir)
         unpacked = tree_size(site)
         print(f"build_kit: site/ is {unpacked / MiB:.1f} MiB unpacked; compressing", file=sys.stderr)
-        make_tarball(site, out / TARBALL)
+        make_tarball({"site": site, "runner": runner_dir}, out / TARBALL)
     size = (out / TARBALL).stat().st_size
     manifest = {
         "sglang_pin": pin,
@@ -445,6 +461,7 @@ def build(out: Path, py: str) -> dict:
         "python_tag": f"cp{py.replace('.', '')}",
         "platforms": PLATFORMS,
         "packages": sorted(pkgs.values(), key=lambda p: p["name"]),
+        "runner": sorted(runner.values(), key=lambda p: p["name"]),
         "left_out": left,
         "image_has": IMAGE_HAS.pattern,
         "pruned": pruned,
@@ -473,6 +490,8 @@ def check_only(out: Path) -> dict:
         raise KitError(f"{tb} is {size} bytes sha256 {digest[:12]}, the manifest says otherwise: rebuild")
     if manifest["sglang_pin"] != sglang_pin():
         raise KitError(f"kit is for sglang {manifest['sglang_pin']}, the repo pins {sglang_pin()}: rebuild")
+    if "runner" not in manifest:
+        raise KitError("the kit predates runner/ (pytest-xdist for the selection's -n): rebuild")
     if manifest["shim"]["sglang_kernel_version"] != shim_version():
         raise KitError("the sgl_kernel shim's __version__ changed since the kit was built: rebuild")
     manifest["budget"] = check_budget(size)

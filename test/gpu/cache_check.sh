@@ -80,6 +80,11 @@ elif [[ -f $KIT/site.tar.xz ]]; then
         || { say "cannot unpack the kit"; exit 3; }
     export PYTHONPATH="$KIT_SITE/site:$PYTHONPATH"
     "$PY" -c 'import sglang' || { say "sglang does not import from the kit"; exit 3; }
+    # the kit's pytest-xdist only where the image has none (last on the path: never shadows)
+    if ! "$PY" -c 'import xdist' 2>/dev/null && [[ -d $KIT_SITE/runner ]]; then
+        export PYTHONPATH="$PYTHONPATH:$KIT_SITE/runner"
+        say "pytest-xdist from the kit's runner/: $PY has none"
+    fi
     "$PY" -c 'import torch, torchvision' 2>/dev/null \
         || say "warning: the kit's torchvision (built for torch 2.11) does not import with this torch ($("$PY" -c 'import torch; print(torch.__version__)'))"
     if (( DRY )); then
@@ -133,10 +138,18 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rfE)
 RUN_TESTS=$(( ! DRY || ${CACHE_DRY_RUN_TESTS:-0} ))
 if (( RUN_TESTS )); then
     (( DRY )) && WORKERS=${CACHE_WORKERS_DRY:-2}
+    # without pytest-xdist (neither the image's nor the kit's runner/): one process, said
+    # so, rather than a usage error that runs nothing
+    XDIST=(-n "$WORKERS")
+    if ! "$PY" -c 'import xdist' 2>/dev/null; then
+        say "pytest-xdist is not importable by $PY: the selection and the fence control run in one process"
+        XDIST=()
+        WORKERS=1
+    fi
     T=$(( $(left) - 100 ))
     if (( T < 60 )); then say "only ${T}s left for the selection"; exit 4; fi
     say "integration selection on $SGLANG_L3_TEST_DEVICE, -n $WORKERS (limit ${T}s)"
-    timeout --kill-after=15 "$T" "${PYTEST[@]}" -n "$WORKERS" --basetemp "$WORK/sel" "${SELECTION[@]}"
+    timeout --kill-after=15 "$T" "${PYTEST[@]}" "${XDIST[@]}" --basetemp "$WORK/sel" "${SELECTION[@]}"
     SEL=$?
     case $SEL in
         0) say "selection: all passed" ;;
@@ -148,7 +161,7 @@ if (( RUN_TESTS )); then
         say "fence control skipped: only ${T}s left"
     else
         say "fence negative control: SGLANG_L3_TEST_FAULT=skip-load-fence on ${FENCE[*]} (limit ${T}s)"
-        SGLANG_L3_TEST_FAULT=skip-load-fence timeout --kill-after=15 "$T" "${PYTEST[@]}" -n "$WORKERS" \
+        SGLANG_L3_TEST_FAULT=skip-load-fence timeout --kill-after=15 "$T" "${PYTEST[@]}" "${XDIST[@]}" \
             --basetemp "$WORK/fence" "${FENCE[@]}" > "$WORK/fence.log" 2>&1
         FC=$?
         tail -n 3 "$WORK/fence.log"

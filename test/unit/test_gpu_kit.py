@@ -73,6 +73,7 @@ def test_check_only_refuses_a_kit_that_does_not_match_its_manifest(tmp_path: Pat
         "sglang_pin": SGLANG_PIN,
         "shim": {"sglang_kernel_version": "0.4.10"},
         "packages": [],
+        "runner": [],
         "tarball": {"file": "site.tar.xz", "bytes": 9, "sha256": hashlib.sha256(b"kit bytes").hexdigest()},
     }
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
@@ -85,4 +86,8 @@ def test_check_only_refuses_a_kit_that_does_not_match_its_manifest(tmp_path: Pat
     (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "sglang_pin": "0.0.1"}))
     bad = _check_only(tmp_path)
     assert bad.returncode == 1 and "kit is for sglang 0.0.1" in bad.stderr, bad.stderr
+    old = {k: v for k, v in manifest.items() if k != "runner"}  # built before runner/ was carried
+    (tmp_path / "manifest.json").write_text(json.dumps(old))
+    bad = _check_only(tmp_path)
+    assert bad.returncode == 1 and "the kit predates runner/" in bad.stderr, bad.stderr
     assert _check_only(tmp_path / "nowhere").returncode == 1
