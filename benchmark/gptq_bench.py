@@ -29,7 +29,8 @@ the per-architecture table in sglang_l3/quant/gptq_triton.py is filled from.
 --dry-run (no GPU): the same rows on the CPU under the Triton interpreter
 (TRITON_INTERPRET=1 is set here) at shapes scaled down 32x, the first and last
 M only, every kernel checked against the reference, nothing timed. On a machine without a GPU and without
---dry-run it says so and exits 0. Exit 1 when a kernel does not match.
+--dry-run it says so and exits 0. Exit 1 when a kernel does not match; 3 when the dry
+run's interpreter cannot run the kernels here (said why: sglang_l3.testing.triton_probe).
 """
 
 from __future__ import annotations
@@ -176,6 +177,13 @@ def main(argv: list[str]) -> int:
     if args.dry_run and not T.interpreting():
         print("gptq_bench --dry-run: triton was imported before TRITON_INTERPRET=1 could be set")
         return 3
+    if args.dry_run:
+        from sglang_l3.testing.triton_probe import interpreter_problem
+
+        problem = interpreter_problem()
+        if problem:
+            print(f"gptq_bench --dry-run: {problem}")
+            return 3
     if args.dry_run:  # a logic check: the first and last M
         args.ms = sorted({args.ms[0], args.ms[-1]})
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]

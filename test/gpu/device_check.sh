@@ -136,6 +136,7 @@ GC=$?
 case $GC in
     0) say "gptq_check: all match" ;;
     124|137) say "gptq_check: out of time"; RC=4 ;;
+    3) say "gptq_check: could not run here (rc=3, said above)"; RC=1 ;;
     *) say "gptq_check: FAILED (rc=$GC)"; RC=1 ;;
 esac
 
@@ -153,6 +154,7 @@ else
     case $GB in
         0) say "gptq_bench: done" ;;
         124|137) say "gptq_bench: out of time"; RC=4 ;;
+        3) say "gptq_bench: could not run here (rc=3, said above)"; RC=1 ;;
         *) say "gptq_bench: a kernel did not match the reference (rc=$GB)"; RC=1 ;;
     esac
 fi

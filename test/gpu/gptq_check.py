@@ -18,7 +18,8 @@ roundings of the output dtype).
 --dry-run (no GPU needed): the same checks on the CPU under the Triton
 interpreter (TRITON_INTERPRET=1, set here before triton is imported), at a
 smaller layer, a fifth of the cases, M = 1, 3, 8, 19 and the table configs on the
-two 4-bit layers.
+two 4-bit layers; exit 3, saying why, where that interpreter cannot run the kernels
+(sglang_l3.testing.triton_probe: Triton 3.6's with NumPy >= 2.4).
 """
 
 from __future__ import annotations
@@ -92,7 +93,13 @@ def main(argv: list[str]) -> int:
         if not T.interpreting():
             print("gptq_check --dry-run: triton was imported before TRITON_INTERPRET=1 could be set")
             return 3
+        from sglang_l3.testing.triton_probe import interpreter_problem
         from triton.runtime.interpreter import interpreter_builder
+
+        problem = interpreter_problem()
+        if problem:
+            print(f"gptq_check --dry-run: {problem}")
+            return 3
 
         # the overflow checker doubles the interpreter's time; the unit tests keep it on
         interpreter_builder.options = replace(interpreter_builder.options, sanitize_overflow=False)
