@@ -9,6 +9,7 @@
 - `demo`, `demo_server`: `make demo`.
 - `coverage`: restorable-coverage arithmetic for benchmark/coverage.py.
 - `pools`: real upstream host pools and storage configs for store tests and benchmarks.
+- `triton_probe`: whether this Triton interpreter runs the GPTQ kernels (the dry runs).
 
 Runtime code (plugin, patches, storage, quant, cpu, cpu_serving, metrics, cli) never
 imports this package.
