@@ -177,14 +177,13 @@ def main(argv: list[str]) -> int:
     if args.dry_run and not T.interpreting():
         print("gptq_bench --dry-run: triton was imported before TRITON_INTERPRET=1 could be set")
         return 3
-    if args.dry_run:
+    if args.dry_run:  # a logic check: the first and last M, where the interpreter can run them
         from sglang_l3.testing.triton_probe import interpreter_problem
 
         problem = interpreter_problem()
         if problem:
             print(f"gptq_bench --dry-run: {problem}")
             return 3
-    if args.dry_run:  # a logic check: the first and last M
         args.ms = sorted({args.ms[0], args.ms[-1]})
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     dev = torch.device("cpu" if args.dry_run else "cuda")
