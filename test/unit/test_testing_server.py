@@ -239,3 +239,16 @@ def test_native_log_slices(tmp_path: Path, monkeypatch) -> None:
         assert "removeSegmentDesc" in out.read_text() and "before" not in out.read_text()
     finally:
         os.environ.pop(native_logs.ENV, None)
+
+
+def test_logprob_difference_says_where_and_by_how_much() -> None:
+    from sglang_l3.testing.server import Generation
+
+    def gen(lps: list[float]) -> Generation:
+        return Generation(len(lps), [5] * len(lps), lps, 0, 0, 0, 0, 0.0, 0.0, 0.0, {})
+
+    a = gen([-0.5, -1.25, -2.0])
+    assert a.logprob_difference(gen([-0.5, -1.25, -2.0])) == ""
+    said = a.logprob_difference(gen([-0.5, -1.2500001, -2.0]))
+    assert said.startswith("1 of 3 positions, largest 1e-07; #1 -1.25 vs -1.2500001"), said
+    assert a.logprob_difference(gen([-0.5])) == "3 log-probabilities against 1"

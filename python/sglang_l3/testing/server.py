@@ -619,6 +619,19 @@ class Generation:
             meta={k: v for k, v in meta.items() if k not in ("output_token_logprobs", "input_token_logprobs")},
         )
 
+    def logprob_difference(self, other: Generation) -> str:
+        """'' when both answers' log-probabilities are equal bit for bit; else how many
+        positions differ, the largest difference and the first positions (for a
+        failure message: an ulp off says numerics, a large one says another prefix)."""
+        if len(self.logprobs) != len(other.logprobs):
+            return f"{len(self.logprobs)} log-probabilities against {len(other.logprobs)}"
+        diffs = [(i, x, y) for i, (x, y) in enumerate(zip(self.logprobs, other.logprobs, strict=True)) if x != y]
+        if not diffs:
+            return ""
+        worst = max(abs(x - y) for _, x, y in diffs)
+        first = ", ".join(f"#{i} {x!r} vs {y!r}" for i, x, y in diffs[:3])
+        return f"{len(diffs)} of {len(self.logprobs)} positions, largest {worst:.3g}; {first}"
+
     @property
     def source(self) -> str:
         """Where the reused prefix came from, as the server reports it."""
