@@ -168,8 +168,8 @@ _VARS = (
         "SGLANG_L3_TEST_FORK_LAUNCHER",
         "0",
         "1: sglang_l3.testing.server.Server starts launchers from a per-process fork server "
-        "(sglang_l3.testing.forked_launcher: upstream's launcher imports paid once); test/e2e/conftest.py applies it "
-        "to e2e tests only; off by default (docs/testing.md says why)",
+        "(sglang_l3.testing.forked_launcher: upstream's launcher imports paid once); test/e2e/conftest.py sets it "
+        "for e2e tests unless the environment says 0 (docs/testing.md)",
         "tests",
     ),
     EnvVar(

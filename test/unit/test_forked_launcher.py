@@ -52,3 +52,40 @@ def test_a_launcher_killed_by_a_signal_reports_it(tmp_path: Path) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
         shutdown()
+
+
+def _draws_of_forked_children(reseed: bool, n: int = 2) -> list[tuple[float, int]]:
+    """What `n` children forked from this process draw first from `random` and NumPy."""
+    import random
+
+    import numpy as np
+    from sglang_l3.testing.forked_launcher import fresh_random_state
+
+    random.random(), np.random.randint(1 << 30)  # the parent's state is set up before the forks
+    out = []
+    for _ in range(n):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: write its draws, exit at once (no pytest teardown)
+            try:
+                os.close(r)
+                if reseed:
+                    fresh_random_state()
+                os.write(w, f"{random.random()!r} {np.random.randint(1 << 30)}".encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            a, b = f.read().split()
+        os.waitpid(pid, 0)
+        out.append((float(a), int(b)))
+    return out
+
+
+def test_forked_launchers_draw_their_own_random_numbers() -> None:
+    # as two `python -m` starts would (Python's `random` reseeds itself after a fork)
+    first, second = _draws_of_forked_children(reseed=True)
+    assert first[0] != second[0] and first[1] != second[1]
+    # the control: without it, every child of one fork server draws the same NumPy numbers
+    first, second = _draws_of_forked_children(reseed=False)
+    assert first[0] != second[0] and first[1] == second[1]

@@ -21,12 +21,13 @@ What differs from a plain start: the launcher's upstream modules were imported
 before its environment was set (SGLang reads its environment variables when they
 are used, `sglang.srt.environ`; sglang-l3 is not imported by the fork server), and
 every launcher forked by one fork server shares its interpreter state, its string
-hash seed included. One of these may explain the unexplained logprob
-mismatch for which it is off by default (docs/testing.md).
+hash seed included (not its random generators: `fresh_random_state`). A patch
+target imported by name before `load_plugins()` would stay unpatched in the importer;
+checked (2026-12-07): the preloaded modules hold no such binding.
 
-Used by `sglang_l3.testing.server.Server` when SGLANG_L3_TEST_FORK_LAUNCHER=1 (off by
-default; test/e2e/conftest.py passes it to e2e tests only); `run_to_exit` (start-up
-error tests) always runs the real command line. Single-threaded on both sides of the fork.
+Used by `sglang_l3.testing.server.Server` when SGLANG_L3_TEST_FORK_LAUNCHER=1 (unset:
+off; test/e2e/conftest.py sets it for e2e tests unless the environment says 0);
+`run_to_exit` (start-up error tests) always runs the real command line. Single-threaded on both sides of the fork.
 
 Protocol (one JSON object a line): the client writes {"argv", "env", "cwd", "log"};
 the fork server answers {"pid"} (or {"error"}), and {"exit": pid, "code": code}
@@ -72,6 +73,15 @@ def _exit_code(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
+def fresh_random_state() -> None:
+    """In a forked child: NumPy's global generator draws a new seed from the OS, as in
+    a fresh interpreter (Python's `random` reseeds itself after a fork; NumPy's does
+    not, so every launcher forked by one fork server drew the same NumPy numbers)."""
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+
+
 def _run_child(req: dict[str, Any], started: int) -> None:
     """In the forked child: become `python -m sglang.launch_server ARGS`. Never returns."""
     os.setsid()
@@ -89,6 +99,7 @@ def _run_child(req: dict[str, Any], started: int) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
+    fresh_random_state()
     import runpy
 
     sys.argv = [sys.argv[0], *req["argv"]]
