@@ -27,7 +27,8 @@ Launchers: the e2e tests' servers start from a launcher fork server
 environment turns it off, docs/testing.md): the same launcher, with its upstream
 imports paid once per worker instead of at every start (about 6 s a start quiet).
 The scheduler and detokenizer processes are spawned by upstream as always.
-`test_startup_errors` (run_to_exit) and `test_plan_server` run the command line itself.
+`test_startup_errors` (run_to_exit), `test_plan_server` and GPU servers run the
+command line itself.
 
 Variants: `cpu` (default suite; needs no accelerator, skipped where one is
 present because the cpu-serving patches are not applicable there) and `cuda`

@@ -252,3 +252,13 @@ def test_logprob_difference_says_where_and_by_how_much() -> None:
     said = a.logprob_difference(gen([-0.5, -1.2500001, -2.0]))
     assert said.startswith("1 of 3 positions, largest 1e-07; #1 -1.25 vs -1.2500001"), said
     assert a.logprob_difference(gen([-0.5])) == "3 log-probabilities against 1"
+
+
+def test_only_cpu_servers_fork_their_launcher(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("SGLANG_L3_TEST_FORK_LAUNCHER", "1")
+    assert Server(ServerConfig(), tmp_path / "c.log").forks_launcher()
+    # CUDA cannot be initialised again in a child forked after the fork server's imports
+    assert not Server(ServerConfig(device="cuda"), tmp_path / "g.log").forks_launcher()
+    assert not Server(ServerConfig(), tmp_path / "p.log", python="/usr/bin/python3").forks_launcher()
+    monkeypatch.setenv("SGLANG_L3_TEST_FORK_LAUNCHER", "0")
+    assert not Server(ServerConfig(), tmp_path / "c.log").forks_launcher()

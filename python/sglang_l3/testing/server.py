@@ -360,9 +360,17 @@ class Server:
                     ) from e
                 time.sleep(20)
 
+    def forks_launcher(self) -> bool:
+        """Whether start() forks the launcher from the worker's fork server
+        (SGLANG_L3_TEST_FORK_LAUNCHER=1) instead of running the command line: CPU
+        servers only. A GPU server's launcher asks CUDA (memory, devices), and CUDA
+        cannot be initialised again in a child forked from a process whose upstream
+        imports may have initialised it."""
+        return forked_launcher.enabled() and self.python == sys.executable and self.config.device == "cpu"
+
     def _start_once(self, progress: Callable[[float], None] | None, progress_every: float) -> Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        if forked_launcher.enabled() and self.python == sys.executable:
+        if self.forks_launcher():
             # the test suite's launcher fork server: the same launcher, its imports paid once
             self.log_path.write_bytes(b"")
             self.proc = forked_launcher.ForkedLauncher(self.python, self.command[3:], self.env(), str(self.log_path))
