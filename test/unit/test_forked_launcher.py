@@ -61,7 +61,9 @@ def _draws_of_forked_children(reseed: bool, n: int = 2) -> list[tuple[float, int
     import numpy as np
     from sglang_l3.testing.forked_launcher import fresh_random_state
 
-    random.random(), np.random.randint(1 << 30)  # the parent's state is set up before the forks
+    # the parent's generators are in use before the forks
+    random.random()
+    np.random.randint(1 << 30)
     out = []
     for _ in range(n):
         r, w = os.pipe()

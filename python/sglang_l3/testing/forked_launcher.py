@@ -25,9 +25,10 @@ hash seed included (not its random generators: `fresh_random_state`). A patch
 target imported by name before `load_plugins()` would stay unpatched in the importer;
 checked (2026-12-07): the preloaded modules hold no such binding.
 
-Used by `sglang_l3.testing.server.Server` when SGLANG_L3_TEST_FORK_LAUNCHER=1 (unset:
-off; test/e2e/conftest.py sets it for e2e tests unless the environment says 0);
-`run_to_exit` (start-up error tests) always runs the real command line. Single-threaded on both sides of the fork.
+Used by `sglang_l3.testing.server.Server` for CPU servers when
+SGLANG_L3_TEST_FORK_LAUNCHER=1 (unset: off; test/e2e/conftest.py sets it for e2e
+tests unless the environment says 0); `run_to_exit` (start-up error tests) always
+runs the real command line. Single-threaded on both sides of the fork.
 
 Protocol (one JSON object a line): the client writes {"argv", "env", "cwd", "log"};
 the fork server answers {"pid"} (or {"error"}), and {"exit": pid, "code": code}
