@@ -16,7 +16,13 @@ restore / raw disk (medians over --repeat such triples, default 3). Then CPU-sec
 per GiB of the restore and of the store read (`store_cpu`: what reading and checking
 the pages costs by itself), and upstream's
 result on the same row (restored tokens with the patch `streamed-restore` undone
-in-process; 0 where upstream declines).
+in-process; 0 where upstream declines). Last, the request size: `pages/call`, the
+pages per store call the restore made (its pieces through this buffer,
+`streamed_restore.piece_size`, at most 128; 128 on upstream's staged path), and where
+that is under the store row's 128, `piece_GB/s`, the store's read of the same pages in
+calls of that size, two readers, measured right after each restore (else the store
+row's figure), with `vs_piece` = restore / it. `ratio` counts the small buffer's
+smaller reads against the restore; `vs_piece` does not (like for like in request size).
 
 Per-rank sizes (TP=2) from the models' public config.json fields
 (HF `text_config` for Qwen3.5), with SGLang 0.5.23's own formulas:
@@ -58,7 +64,7 @@ buffer + the Mamba pools, ~20 states: `row_gib`), everything freed and collected
 before the next; a row runs when its estimate fits MemAvailable - 2 GiB read just
 before it (or --max-gib), and is printed as skipped otherwise - never scaled. The
 writer uses a 1/4 buffer (streamed write); each of the store read's two readers uses
-one reused 128-page host region. Cold reads: page cache dropped (or fadvise(DONTNEED) per file without
+one reused host region of a call's pages (128, or the restore's piece). Cold reads: page cache dropped (or fadvise(DONTNEED) per file without
 root) before every read; pools are faulted in before the timer starts.
 What the timer covers: the restore a request gets, from the prefetch's first store
 read to the ack — the store's reads, the host->device copies, the scheduler
@@ -252,6 +258,7 @@ def measure_restore(
     `check_inside_timer`: the negative control of `make bench-check` — the test
     harness's forward-time read and comparison run inside the timer, as they did
     from e35d329 until issue 34."""
+    from sglang_l3 import metrics
     from sglang_l3.testing.stack import L3Stack, RestoreFailed
 
     spec = hybrid_spec(m, len(seq))
@@ -265,12 +272,14 @@ def measure_restore(
         st.scribble()
         touch_host_pools(cc)
         how = drop_page_cache(store)
+        before = {k: metrics.get("l3_stream_restore", k) for k in ("started", "fitting")}
         c0, t0 = time.process_time(), time.perf_counter()
         try:
             req, loaded = restore_busy(st, seq, check_forward=check_inside_timer)
         except RestoreFailed:
             req, loaded = None, 0
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        streamed = {k: metrics.get("l3_stream_restore", k) > n for k, n in before.items()}
         exact = None
         if req is not None:
             try:
@@ -289,7 +298,20 @@ def measure_restore(
         "cpu": cpu,
         "exact": exact,
         "cold": how,
+        "piece_pages": restore_piece_pages(host, len(seq), streamed["started"], streamed["fitting"]),
     }
+
+
+def restore_piece_pages(host_tokens: int, hit_tokens: int, streamed: bool, fitting: bool) -> int:
+    """Pages per store call the restore made: its pieces' (streamed_restore.piece_size)
+    when it streamed, at most READ_BATCH_PAGES a call; upstream's staged path reads in
+    batches of READ_BATCH_PAGES (its STORAGE_BATCH_SIZE)."""
+    from sglang_l3.patches.hicache.streamed_restore import READ_BATCH_PAGES, piece_size
+
+    if not streamed:
+        return READ_BATCH_PAGES
+    piece = piece_size(host_tokens, PAGE, hit_tokens if fitting else None)
+    return min(piece // PAGE, READ_BATCH_PAGES)
 
 
 def touch_host_pools(cc: Any) -> None:
@@ -355,12 +377,14 @@ def measure_upstream(m: ModelShape, seq: list[int], store: str, buffer_tokens: i
         framework.apply_one(spec)
 
 
-def measure_store_read(m: ModelShape, keys: list[str], store: str) -> dict:
+def measure_store_read(m: ModelShape, keys: list[str], store: str, batch_pages: int | None = None) -> dict:
     """The store's own cold read of what a restore reads: every KV page and the Mamba
     state at the last page, with the restore's reader concurrency (MAX_INFLIGHT reader
-    threads, READ_BATCH_PAGES pages a call, as its pieces), each reader into its own
-    reused host region of a small stack: what the disk and the store deliver for the
-    same bytes, without a context-sized host pool."""
+    threads), `batch_pages` pages a call (default READ_BATCH_PAGES, the most a restore's
+    store call reads; a streamed restore's pieces through a small host buffer are
+    smaller: `restore_piece_pages`), each reader into its own reused host region of a
+    small stack: what the disk and the store deliver for the same bytes, without a
+    context-sized host pool."""
     from concurrent.futures import ThreadPoolExecutor
 
     from sglang.srt.mem_cache.hicache_storage import PoolName
@@ -368,7 +392,8 @@ def measure_store_read(m: ModelShape, keys: list[str], store: str) -> dict:
     from sglang_l3.storage.store import ReadItem
     from sglang_l3.testing.stack import L3Stack
 
-    region = min(len(keys), READ_BATCH_PAGES) * PAGE
+    batch_pages = batch_pages or READ_BATCH_PAGES
+    region = min(len(keys), batch_pages) * PAGE
     spec = hybrid_spec(m, MAX_INFLIGHT * region)
     with L3Stack(
         spec, store, server_args=buffer_args(spec, MAX_INFLIGHT * region), host_budget_bytes=host_budget()
@@ -379,7 +404,7 @@ def measure_store_read(m: ModelShape, keys: list[str], store: str) -> dict:
         state_spec = be.store.pool_spec(be.pool_layout(PoolName.MAMBA))
         state_buf = bytearray(state_spec.payload_len)
         touch_host_pools(cc)  # as for the restore: resident memory, cold disk
-        batches = [keys[i : i + READ_BATCH_PAGES] for i in range(0, len(keys), READ_BATCH_PAGES)]
+        batches = [keys[i : i + batch_pages] for i in range(0, len(keys), batch_pages)]
 
         def reader(r: int) -> int:
             ok = 0
@@ -578,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     problems: list[str] = []
 
     prepare(args.device)
-    from sglang_l3.patches.hicache.streamed_restore import MAX_INFLIGHT  # the restore's readers
+    from sglang_l3.patches.hicache.streamed_restore import MAX_INFLIGHT, READ_BATCH_PAGES  # the restore's readers
 
     contexts = [int(x) for x in args.contexts.split(",")]
     models = [m for m in MODELS if m.name in args.models.split(",")]
@@ -593,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     hdr = (
         f"{'model':20s} {'context':>8s} {'buffer':>6s} {'host_tok':>8s} {'tokens':>8s} {'bytes':>12s} "
         f"{'restore_s':>9s} {'GB/s':>6s} {'store_GB/s':>10s} {'raw_GB/s':>8s} {'ratio':>6s} {'vs_raw':>7s} {'cpu_s/GiB':>9s} {'store_cpu':>9s} {'exact':>5s} {'upstream':>8s}"
+        f" {'pages/call':>10s} {'piece_GB/s':>10s} {'vs_piece':>8s}"
         + (f" {'h2d_GB/s':>8s}" if args.device == "cuda" else "")
     )
     print(hdr)
@@ -625,13 +651,24 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"[{m.name} {context}] buffer {label} ({buf} tokens) ...")
                     # Side by side: the store's read of the same pages right before
                     # each restore; medians over --repeat pairs (a shared box is noisy).
-                    reads, runs, raws = [], [], []
+                    # The store's read in the restore's own calls (its pieces through this
+                    # buffer), right after each restore, where they are smaller than the
+                    # store row's: what the same request sizes deliver (like for like).
+                    reads, runs, raws, piece_reads = [], [], [], []
                     for _ in range(args.repeat):
                         raws.append(measure_raw_read(files, store, MAX_INFLIGHT * depth))
                         reads.append(measure_store_read(m, keys, store))
                         runs.append(measure_restore(m, seq, store, buf, check_inside_timer=args.check_inside_timer))
+                        if runs[-1]["piece_pages"] < READ_BATCH_PAGES:
+                            piece_reads.append(measure_store_read(m, keys, store, runs[-1]["piece_pages"]))
                     ok = all(r["pages"] == len(keys) and r["state"] for r in reads)
                     store_gbps = read_bytes / statistics.median(r["wall"] for r in reads) / 1e9 if ok else float("nan")
+                    piece_ok = ok and all(r["pages"] == len(keys) and r["state"] for r in piece_reads)
+                    piece_gbps = (
+                        read_bytes / statistics.median(r["wall"] for r in piece_reads) / 1e9
+                        if piece_reads and piece_ok
+                        else store_gbps  # the restore's calls were the store row's
+                    )
                     raw_gbps = statistics.median(r["bytes"] / r["wall"] for r in raws) / 1e9
                     ours = {
                         "host": runs[0]["host"],
@@ -646,11 +683,13 @@ def main(argv: list[str] | None = None) -> int:
                     cpu_gib = ours["cpu"] / (total / 2**30) if total else float("nan")
                     store_cpu_gib = statistics.median(r["cpu"] for r in reads) / (read_bytes / 2**30)
                     ratio = gbps / store_gbps if not math.isnan(store_gbps) else float("nan")
+                    vs_piece = gbps / piece_gbps if not math.isnan(piece_gbps) else float("nan")
                     h2d = f" {total / measure_h2d(total) / 1e9:>8.2f}" if args.device == "cuda" and total else ""
                     print(
                         f"{m.name:20s} {context:>8d} {label:>6s} {ours['host']:>8d} {ours['loaded']:>8d} {total:>12d} "
                         f"{ours['wall']:>9.3f} {gbps:>6.2f} {store_gbps:>10.2f} {raw_gbps:>8.2f} {ratio:>6.2f} {gbps / raw_gbps:>7.2f} {cpu_gib:>9.2f} {store_cpu_gib:>9.2f} "
-                        f"{ours['exact']!s:>5s} {'-' if up is None else up:>8}{h2d}",
+                        f"{ours['exact']!s:>5s} {'-' if up is None else up:>8} "
+                        f"{runs[0]['piece_pages']:>10d} {piece_gbps:>10.2f} {vs_piece:>8.2f}{h2d}",
                         flush=True,
                     )
                     if label == "1/16":

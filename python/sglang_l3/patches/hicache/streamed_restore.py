@@ -212,12 +212,21 @@ def holds_buffers(pipe: Any) -> bool:
     return lane is not None and bool(lane.streams or lane.retiring)
 
 
+def piece_size(host_tokens: int, page: int, fitting_hit: int | None = None) -> int:
+    """Tokens per piece with a host KV pool of `host_tokens`: a page-aligned
+    SGLANG_L3_STREAM_PIECE fraction of it; for a hit the host holds whole
+    (`fitting_hit`, patch stream-fitting-hits) 1/FITTING_ROUNDS of that hit, page-rounded
+    up, at most a regular piece. Also what restore_bench's piece-shaped store read uses."""
+    frac = float(os.environ.get(ENV_PIECE, DEFAULT_PIECE_FRACTION))
+    p = max(page, int(host_tokens * frac) // page * page)
+    if fitting_hit is not None and FITTING_ROUNDS:
+        p = min(p, -(-fitting_hit // FITTING_ROUNDS // page) * page)
+    return p
+
+
 def piece_tokens(pipe: Any) -> int:
     cache = pipe._cache
-    page = cache.page_size
-    pool = cache.cache_controller.mem_pool_host.size
-    frac = float(os.environ.get(ENV_PIECE, DEFAULT_PIECE_FRACTION))
-    return max(page, int(pool * frac) // page * page)
+    return piece_size(cache.cache_controller.mem_pool_host.size, cache.page_size)
 
 
 # --------------------------------------------------------------------------- IO
@@ -479,11 +488,9 @@ def start_stream(pipe: Any, op: Any, hit_tokens: int, *, fitting: bool = False) 
     if ctx is None or len(ctx[0]) != op.storage_start or hit_tokens % page:
         decline("layout")
         return None
-    p = piece_tokens(pipe)
-    if fitting:
-        # A hit the host holds whole: pieces of 1/FITTING_ROUNDS of it (page-rounded up,
-        # at most a regular piece), so reads keep running beside the copies.
-        p = min(p, -(-hit_tokens // FITTING_ROUNDS // page) * page) if FITTING_ROUNDS else p
+    # A hit the host holds whole: pieces of 1/FITTING_ROUNDS of it, so reads keep
+    # running beside the copies.
+    p = piece_size(cc.mem_pool_host.size, page, hit_tokens if fitting else None)
     if not cc.can_fit_prefetch_host_buffers(op, min(hit_tokens, p)):
         decline("host_too_small")
         return None
