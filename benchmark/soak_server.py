@@ -11,6 +11,8 @@ it prints counts, and its last line is exactly
         [--entries N]                  (the same plan and draws, cut after N entries: replay one request)
         [--disable-overlap-schedule]   (both servers; the user's have it on)
         [--model tiny-qwen35-text]     (the user's architecture; default tiny Qwen3-Next)
+        [--backend mooncake]           (L3 on a loopback Mooncake store instead of the file store)
+        [--mooncake-segment 16MB]      (a small store: Mooncake evicts objects, each rank's apart)
         [--explicit-sessions 4 --p-hint 0.5 --p-close 0.1 --predicted-return p50 --tool-pin on]
                                        (the agent features, below)
 
@@ -51,6 +53,14 @@ turn continues under the same id); aborted copies carry the agent's session id; 
 L3 server. A hint that the server answers with anything but 200, or that ends "failed",
 and a close answered with anything but 200, are counted (hint_errors=) and fail the run;
 --hints-drawn-not-sent keeps the hints' draws without sending them (an A/B control).
+
+Mooncake (--backend mooncake): phase 2's server keeps L3 in a loopback Mooncake store
+(master + storage node, sglang_l3.testing.mooncake, started for the run and stopped
+after it; pages live on the storage node, `global_segment_size=0`), the distributed
+L3's lifecycle under the same workload. Page damage is the file store's (its files):
+--p-fault defaults to 0 there and must stay 0; a burst's writer prefix is not polled
+for in the store (the /flush_cache after it waits for the write-through); everything
+else, and every check, is as with the file store.
 
 Bursts (issue 24; --p-burst of the plan's entries): a long prefix (4-8x the host
 staging buffer, on a device pool too short for two copies of it) is written to L3
@@ -148,7 +158,9 @@ def main() -> int:
     ap.add_argument("--host-tokens", type=int, default=256, help="host staging buffer without --hicache-ratio")
     ap.add_argument("--p-burst", type=float, default=0.15, help="share of plan entries that are bursts")
     ap.add_argument("--p-flush", type=float, default=0.06)
-    ap.add_argument("--p-fault", type=float, default=0.08)
+    ap.add_argument(
+        "--p-fault", type=float, default=None, help="damage a page file of one rank (file store: 0.08; mooncake: 0)"
+    )
     ap.add_argument("--p-abort", type=float, default=0.05)
     ap.add_argument(
         "--p-abort-restore",
@@ -183,11 +195,33 @@ def main() -> int:
         help="run only the plan's first N entries (the same plan and draws: to replay one burst quickly)",
     )
     ap.add_argument(
+        "--backend",
+        choices=("file", "mooncake"),
+        default="file",
+        help="phase 2's L3: the file store (default) or a loopback Mooncake store",
+    )
+    ap.add_argument(
+        "--mooncake-segment",
+        default="512MB",
+        help="the Mooncake storage node's segment (small: the store evicts objects, each rank's on its own)",
+    )
+    ap.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
         help="both servers without overlap scheduling (the user's servers have it on)",
     )
     args = ap.parse_args()
+    if args.p_fault is None:
+        args.p_fault = 0.08 if args.backend == "file" else 0.0
+    if args.backend == "mooncake" and args.p_fault:
+        ap.error("--p-fault damages the file store's page files: 0 with --backend mooncake")
+    mooncake = None
+    if args.backend == "mooncake":
+        from sglang_l3.testing import mooncake as mc
+
+        reason = mc.unavailable_reason()
+        if reason:
+            ap.error(f"--backend mooncake: {reason}")
 
     from sglang_l3.testing.server import (
         Generation,
@@ -222,9 +256,12 @@ def main() -> int:
         l3_env["SGLANG_L3_TOOL_PIN"] = args.tool_pin
 
     def config(with_store: bool) -> ServerConfig:
+        l3: dict = {"storage_dir": str(store) if with_store else None}
+        if with_store and mooncake is not None:
+            l3 = {"storage_backend": "mooncake", "storage_extra_config": mooncake.extra_config()}
         return ServerConfig(
             **({"model": args.model} if args.model else {}),
-            storage_dir=str(store) if with_store else None,
+            **l3,
             tp_size=args.tp,
             max_total_tokens=args.pool,
             chunked_prefill_size=256,
@@ -286,6 +323,8 @@ def main() -> int:
     max_dlogp = 0.0
     sessions = Sessions(args.explicit_sessions)
     t1 = time.monotonic()
+    if args.backend == "mooncake":
+        mooncake = mc.MooncakeCluster(work / "mooncake", segment_size=args.mooncake_segment).start()
     server = Server(config(True), work / "hicache.log", startup_timeout=args.startup_timeout)
     try:
         server.start()
@@ -297,7 +336,15 @@ def main() -> int:
             if isinstance(ids, tuple):  # a burst
                 writer, burst, plen = ids
                 got = run_burst(
-                    server, store, writer, burst, plen, args.new_tokens, args.tp, args.request_timeout, get_hash_str
+                    server,
+                    store if mooncake is None else None,
+                    writer,
+                    burst,
+                    plen,
+                    args.new_tokens,
+                    args.tp,
+                    args.request_timeout,
+                    get_hash_str,
                 )
                 bursts += 1
                 for j, g in enumerate(got):
@@ -421,8 +468,10 @@ def main() -> int:
         crashes = int(not server.alive())
     finally:
         server.stop()
+        if mooncake is not None:
+            mooncake.stop()
     print(
-        f"soak_server: tp={args.tp} model={args.model or 'default'} agents={args.agents} seed={args.seed} flushes={flushes} "
+        f"soak_server: tp={args.tp} model={args.model or 'default'} backend={args.backend} agents={args.agents} seed={args.seed} flushes={flushes} "
         f"faults={faults} aborts={aborts} restore_aborts={restore_aborts} bursts={bursts} burst_shared={shared} "
         f"wait_abandoned={abandoned} max_logprob_diff={max_dlogp:.3g} "
         f"short_restores={short} short_after_damage={short_damaged} {sessions.summary()} "
@@ -536,7 +585,7 @@ class Sessions:
 
 def run_burst(
     server,
-    store: Path,
+    store: Path | None,
     writer: list[int],
     burst: list[list[int]],
     plen: int,
@@ -547,11 +596,13 @@ def run_burst(
 ) -> list:
     """Write the prefix to L3 (the writer request), flush the device, then send the burst:
     the first request, and the others once its streamed restore has started (5 s at most).
-    Returns per request a Generation or the exception (a hang: no answer within `timeout`)."""
+    `store`: the file store's directory, polled for the prefix's pages; None (Mooncake):
+    not polled. Returns per request a Generation or the exception (a hang: no answer
+    within `timeout`)."""
     server.generate(writer, new_tokens, timeout=timeout)
     prefix = writer[:plen]
     deadline = time.monotonic() + 60
-    while not stored(store, prefix, tp, get_hash_str) and time.monotonic() < deadline:
+    while store is not None and not stored(store, prefix, tp, get_hash_str) and time.monotonic() < deadline:
         time.sleep(0.2)  # write-through is asynchronous; a prefix not in L3 in time just computes
     server.flush_cache(timeout=timeout)
     out: list = [None] * len(burst)

@@ -14,7 +14,10 @@ Servers, in file order (each started once, shared by the tests that follow):
    an asymmetric write failure, an abort during a restore;
 3. `restarted`: the same store, a small device pool: P, two interleaved agents;
 4. `fault`: SGLANG_L3_VERIFY=1 with a fault that makes rank 1 alone fall back on
-   its first restore: verify must stop the server, naming both ranks' records.
+   its first restore: verify must stop the server, naming both ranks' records;
+5. `mooncake`: as `main`, with L3 in a loopback Mooncake store (the distributed L3 at
+   the user's topology): P -> flush -> P restored, identical (skipped when Mooncake
+   cannot load, unless SGLANG_L3_REQUIRE_MOONCAKE=1, as `make test` sets).
 
 Every test body is bounded (a hang fails with the server log), and so is
 every request. Negative control: with SGLANG_L3_DISABLE=tp-agreed-sidecar-heal,
@@ -23,6 +26,7 @@ tp-agreed-flush in the environment the damage rounds hang (and fail in bound).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 import time
@@ -38,6 +42,7 @@ from l3_e2e import (
     STARTUP_TIMEOUT,
     run_agents,
 )
+from sglang_l3.testing import mooncake as mc
 from sglang_l3.testing.server import (
     Generation,
     Server,
@@ -88,23 +93,27 @@ class TP2:
         store: bool = True,
         pool: int = 4096,
         env: dict | None = None,
+        mooncake: mc.MooncakeCluster | None = None,
     ) -> Server:
         if name in self.failed:
             pytest.fail(f"server {name} failed to start earlier: {self.failed[name][:3000]}")
         for other in list(self.servers):  # two TP=2 servers do not fit two shared cores
             self.stop(other)
+        # upstream's prefetch deadline (1 s + 0.25 s per 1K tokens) expired in CI with two
+        # TP=2 ranks on a loaded 2-core box ("prefetch discarded reason=deadline") and the
+        # turn recomputed: a budget it cannot miss (a hang is not a deadline)
+        budget = {"prefetch_timeout_base": 600}
+        l3: dict = {"storage_dir": str(self.store) if store else None, "storage_extra_config": budget if store else {}}
+        if mooncake is not None:
+            l3 = {"storage_backend": "mooncake", "storage_extra_config": {**mooncake.extra_config(), **budget}}
         cfg = ServerConfig(
-            storage_dir=str(self.store) if store else None,
+            **l3,
             device=DEVICE,
             tp_size=TP,
             max_total_tokens=pool,
             chunked_prefill_size=CHUNKED_PREFILL,
             page_size=PAGE_SIZE,
             prefetch_threshold=PREFETCH_THRESHOLD if store else None,
-            # upstream's prefetch deadline (1 s + 0.25 s per 1K tokens) expired in CI with two
-            # TP=2 ranks on a loaded 2-core box ("prefetch discarded reason=deadline") and the
-            # turn recomputed: a budget it cannot miss (a hang is not a deadline)
-            storage_extra_config={"prefetch_timeout_base": 600} if store else {},
             env={"SGLANG_L3_VERIFY": "1", **(env or {})},
             overlap_schedule=store,  # the no-cache reference schedules without overlap
         )
@@ -185,16 +194,22 @@ class _Bounded:
         return generate(self.server, ids, n, "agent turn")
 
 
+def _flush_then_restore(s: Server, want: Generation, l3: str) -> None:
+    """P computed (nothing cached), flushed, then restored whole from `l3`: both times
+    the no-cache TP=2 answer."""
+    cold = generate(s, P, NEW, f"P cold ({l3})")
+    assert cold.cached_tokens == 0, cold.meta
+    same_output(cold, want, f"P cold ({l3}) vs no-cache TP=2")
+    flush(s, f"flush after P ({l3})")
+    warm = generate(s, P, NEW, f"P after flush ({l3})")
+    assert warm.cached_device == 0 and warm.cached_storage == FULL, warm.meta
+    same_output(warm, want, f"P restored from {l3} vs no-cache TP=2")
+
+
 def test_tp2_flush_then_restore_identical_to_no_cache(tp2: TP2):
     want = _ref(tp2, "P")
     s = tp2.get("main")
-    cold = generate(s, P, NEW, "P cold")
-    assert cold.cached_tokens == 0, cold.meta
-    same_output(cold, want, "P cold vs no-cache TP=2")
-    flush(s, "flush after P")
-    warm = generate(s, P, NEW, "P after flush")
-    assert warm.cached_device == 0 and warm.cached_storage == FULL, warm.meta
-    same_output(warm, want, "P restored from L3 vs no-cache TP=2")
+    _flush_then_restore(s, want, "the file store")
     # both ranks wrote their own shard of every page
     keys = page_keys(P)
     for rank in range(TP):
@@ -409,6 +424,27 @@ def test_tp2_verify_catches_rank_disagreement(tp2: TP2):
     assert "TP rank 1: [(req=" in line and "restored=-1" in line, line
     assert g is None or not g.output_ids, "the server answered despite the disagreement"
     tp2.stop("fault")
+
+
+def test_tp2_mooncake_flush_then_restore_identical_to_no_cache(tp2: TP2):
+    """The distributed L3 at the user's topology: each rank writes and reads its own
+    objects in a loopback Mooncake store (master + storage node); the ranks agree on
+    every restore (SGLANG_L3_VERIFY=1) and P comes back whole, as the no-cache TP=2
+    server answered it."""
+    want = _ref(tp2, "P")
+    reason = mc.unavailable_reason()
+    if reason:
+        if os.environ.get("SGLANG_L3_REQUIRE_MOONCAKE") == "1":
+            pytest.fail(f"SGLANG_L3_REQUIRE_MOONCAKE=1 but {reason}")
+        pytest.skip(reason)
+    cluster = mc.MooncakeCluster(tp2.root / "mooncake").start()
+    try:
+        s = tp2.start("mooncake", mooncake=cluster)
+        _flush_then_restore(s, want, "Mooncake")
+        _no_disagreement(s)
+    finally:
+        tp2.stop("mooncake")
+        cluster.stop()
 
 
 def test_tp2_hang_guard_itself_fails_in_bound(tp2: TP2):
