@@ -73,6 +73,7 @@ burst request is one of the counted requests.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
@@ -203,7 +204,7 @@ def main() -> int:
     ap.add_argument(
         "--mooncake-segment",
         default="512MB",
-        help="the Mooncake storage node's segment (small: the store evicts objects, each rank's on its own)",
+        help="the Mooncake storage node's segment (at least 16MB; small: the store evicts objects, each rank's on its own)",
     )
     ap.add_argument(
         "--disable-overlap-schedule",
@@ -279,6 +280,9 @@ def main() -> int:
     speakers: list[int | None] = []  # per plan entry: the agent of a turn (None: a burst)
     history = {a: list(systems[a % 2]) for a in range(args.agents)}
     kept = {a: 0 for a in range(args.agents)}
+    if args.backend == "mooncake":  # before phase 1: a store that cannot start fails at once
+        mooncake = mc.MooncakeCluster(work / "mooncake", segment_size=args.mooncake_segment).start()
+        atexit.register(mooncake.stop)  # also when phase 1 fails (stop is idempotent)
     t0 = time.monotonic()
     with Server(config(False), work / "plain.log", startup_timeout=args.startup_timeout) as plain:
         print(
@@ -323,8 +327,6 @@ def main() -> int:
     max_dlogp = 0.0
     sessions = Sessions(args.explicit_sessions)
     t1 = time.monotonic()
-    if args.backend == "mooncake":
-        mooncake = mc.MooncakeCluster(work / "mooncake", segment_size=args.mooncake_segment).start()
     server = Server(config(True), work / "hicache.log", startup_timeout=args.startup_timeout)
     try:
         server.start()
