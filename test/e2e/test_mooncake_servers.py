@@ -21,7 +21,6 @@ Three server starts (1-3 min each here).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from l3_e2e import (
     assert_same_output,
     restorable,
 )
+from mooncake_support import require_mooncake
 from sglang_l3.testing import mooncake as mc
 from sglang_l3.testing.server import (
     Generation,
@@ -100,11 +100,7 @@ def nodes(tmp_path_factory) -> Iterator[Nodes]:
 
     if accelerator_present():
         pytest.skip("cpu-serving patches are not applicable next to an accelerator")
-    reason = mc.unavailable_reason()
-    if reason:
-        if os.environ.get("SGLANG_L3_REQUIRE_MOONCAKE") == "1":
-            pytest.fail(f"SGLANG_L3_REQUIRE_MOONCAKE=1 but {reason}")
-        pytest.skip(reason)
+    require_mooncake()
     warm_hicache_hash_extension()
     root = tmp_path_factory.mktemp("e2e-mooncake")
     store = mc.MooncakeCluster(root / "store")

@@ -26,7 +26,6 @@ tp-agreed-flush in the environment the damage rounds hang (and fail in bound).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import threading
 import time
@@ -42,6 +41,7 @@ from l3_e2e import (
     STARTUP_TIMEOUT,
     run_agents,
 )
+from mooncake_support import require_mooncake
 from sglang_l3.testing import mooncake as mc
 from sglang_l3.testing.server import (
     Generation,
@@ -432,11 +432,7 @@ def test_tp2_mooncake_flush_then_restore_identical_to_no_cache(tp2: TP2):
     every restore (SGLANG_L3_VERIFY=1) and P comes back whole, as the no-cache TP=2
     server answered it."""
     want = _ref(tp2, "P")
-    reason = mc.unavailable_reason()
-    if reason:
-        if os.environ.get("SGLANG_L3_REQUIRE_MOONCAKE") == "1":
-            pytest.fail(f"SGLANG_L3_REQUIRE_MOONCAKE=1 but {reason}")
-        pytest.skip(reason)
+    require_mooncake()
     cluster = mc.MooncakeCluster(tp2.root / "mooncake").start()
     try:
         s = tp2.start("mooncake", mooncake=cluster)

@@ -14,12 +14,12 @@ SGLANG_L3_REQUIRE_MOONCAKE=1 (set by `make test`), which turns that into a failu
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 
 import pytest
 import torch
+from mooncake_support import require_mooncake
 from sglang_l3.patches import framework
 from sglang_l3.testing import mooncake as mc
 from sglang_l3.testing.stack import HybridSpec, L3Stack, RestoreFailed
@@ -32,11 +32,7 @@ PAGE_SIZES = (1, 64)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[mc.MooncakeCluster]:
-    reason = mc.unavailable_reason()
-    if reason:
-        if os.environ.get("SGLANG_L3_REQUIRE_MOONCAKE") == "1":
-            pytest.fail(f"SGLANG_L3_REQUIRE_MOONCAKE=1 but {reason}")
-        pytest.skip(reason)
+    require_mooncake()
     c = mc.MooncakeCluster(tmp_path_factory.mktemp("mooncake"))
     try:
         c.start()
